@@ -1,0 +1,57 @@
+"""Checkpoints: one complete, unwrapped unit, written atomically by one rank."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multicard import __version__
+from multicard.errors import UserError
+
+
+def save_atomic(state: dict[str, Any], path: Path) -> None:
+    """Write to a temporary file in the same folder, flush to disk, then rename over `path`.
+
+    A crash at any moment leaves either the old file or the new one, never half of one.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make_state(**parts: Any) -> dict[str, Any]:
+    return {"multicard_version": __version__, **parts}
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint onto the CPU, or fail in one line saying what is wrong."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}); it may be truncated or not a checkpoint") from None
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise UserError(f"checkpoint {path} is not a multicard checkpoint (no model or config)")
+    return state
+
+
+def load_model_state(model: torch.nn.Module, state_dict: dict[str, Any], path: str | Path) -> None:
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        raise UserError(f"checkpoint {path} does not fit this model: {first}") from None

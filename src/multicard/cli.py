@@ -1,0 +1,115 @@
+"""Command line: `multicard train` and `multicard eval`. A thin layer over run and launch.
+
+Launch examples (all train the same job):
+    multicard train --config configs/demo.yaml                       # one process
+    multicard train --config configs/demo.yaml --nproc-per-node 2    # DDP, built-in launcher
+    torchrun --standalone --nproc-per-node 2 -m multicard train --config configs/demo.yaml
+    srun --ntasks-per-node 4 python -m multicard train --config configs/demo.yaml
+
+Exit codes: 0 success, 1 internal error (a bug: traceback shown), 2 bad input (one line),
+3 training diverged (NaN/inf loss), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn, Optional
+
+from multicard import __version__, run
+from multicard.config import load_config
+from multicard.dist import ProcessEnv, detect_env
+from multicard.errors import MulticardError, UserError
+from multicard.launch import LaunchOptions, launch_workers
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        print(f"multicard: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(UserError.exit_code)
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launch (DDP workers through torchrun's elastic agent)")
+    g.add_argument("--nproc-per-node", type=int, help="worker processes on this node (one per GPU)")
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1")
+    g.add_argument("--master-addr", help="rendezvous host (node 0); multi-node only")
+    g.add_argument("--master-port", type=int, help="rendezvous port; a free one is chosen on one node")
+    g.add_argument("--max-restarts", type=int, default=0, help="restarts of failed workers (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="multicard", description="Train image classifiers on one device, DP or DDP.")
+    parser.add_argument("--version", action="version", version=f"multicard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model", description="Train a model.")
+    t.add_argument("--config", help="YAML config file")
+    _add_launch_flags(t)
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=5")
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint", description="Evaluate a checkpoint exactly.")
+    e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
+    e.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    _add_launch_flags(e)
+    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. data.val_size=1000")
+    return parser
+
+
+def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> Optional[LaunchOptions]:
+    if args.nproc_per_node is None:
+        return None
+    if env.launched:
+        raise UserError(f"--nproc-per-node starts workers, but this process is already one ({env.source}); drop it")
+    return LaunchOptions(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    env = detect_env()
+    options = _launch_options(args, env)
+    if options is None and cfg.strategy == "ddp" and not env.launched:
+        # ddp asked for without a launcher: one worker per GPU in use (one on CPU).
+        gpus = run.check_topology(cfg, "ddp", 1, 1)
+        options = LaunchOptions(nproc_per_node=max(1, len(gpus)))
+    if options is None:
+        run.train(cfg, env)
+        return 0
+    if cfg.strategy in ("single", "dp"):
+        raise UserError(f"--nproc-per-node starts DDP workers but strategy={cfg.strategy}; use strategy=ddp or auto")
+    run.check_topology(cfg, "ddp", options.world_size, options.nproc_per_node)
+    run.prepare_out_dir(cfg.out_dir)
+    worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
+    return launch_workers(options, worker_argv)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    env = detect_env()
+    options = _launch_options(args, env)
+    if options is None:
+        run.evaluate_checkpoint(args.checkpoint, args.overrides, env, args.json)
+        return 0
+    worker_argv = ["eval", "--checkpoint", args.checkpoint, *(["--json"] if args.json else []), *args.overrides]
+    return launch_workers(options, worker_argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _train, "eval": _eval}[args.command](args)
+    except MulticardError as exc:
+        env = detect_env()
+        where = f" (rank {env.rank})" if env.world_size > 1 else ""
+        print(f"multicard: error{where}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("multicard: interrupted", file=sys.stderr)
+        return 130

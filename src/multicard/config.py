@@ -1,0 +1,227 @@
+"""Typed configuration: dataclass defaults < YAML file < dotted KEY=VALUE overrides.
+
+OmegaConf does the merging and type checking; this module turns its errors into one-line
+`UserError`s and checks the value ranges it cannot express. The result is read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from multicard.errors import UserError
+
+STRATEGIES = ("auto", "single", "dp", "ddp")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "step", "constant")
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic (embedded, no download)
+    root: Optional[str] = None  # dataset directory, for datasets read from disk
+    image_size: int = 32  # synthetic: side of the generated images
+    train_size: int = 20000  # synthetic: number of training images
+    val_size: int = 5000  # synthetic: number of validation images
+    num_classes: int = 10  # synthetic: 2..10
+    augment: bool = True  # random crop with padding + horizontal flip on training data
+    crop_padding: int = 4
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+    eval_batch_size: int = 500  # per process
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"  # torchvision name, resnet18_cifar, smallcnn, or package.module:function
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the builder
+    channels_last: bool = False
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
+    global_batch_size: int = 256  # samples per optimizer step, across all devices and micro-steps
+    grad_accum: int = 1  # micro-steps per optimizer step
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.1  # peak learning rate at base_batch_size (see lr_scaling)
+    lr_scaling: str = "none"  # none | linear | sqrt: lr × (global_batch_size / base_batch_size)^p
+    base_batch_size: int = 256
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+
+
+@dataclass
+class SchedConfig:
+    name: str = "cosine"
+    warmup_epochs: float = 0.0  # linear warm-up from 0, counted in (fractional) epochs
+    final_lr_ratio: float = 0.0  # cosine: last lr as a fraction of the peak
+    step_epochs: int = 30  # step: decay every this many epochs
+    gamma: float = 0.1  # step: decay factor
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+
+
+@dataclass
+class Config:
+    strategy: str = "auto"  # auto: ddp when launched with several processes, else single
+    devices: Any = "auto"  # auto | cpu | list of GPU ids, e.g. [0,1]
+    seed: int = 0
+    out_dir: str = "runs/default"
+    precision: str = "fp32"
+    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under ddp (CUDA only)
+    clip_grad_norm: float = 0.0  # max global gradient norm; 0 = off
+    log_every: int = 50  # optimizer steps between step records (and host syncs)
+    threads: int = 0  # CPU threads per process; 0 = cores / local processes
+    dist_timeout_s: int = 300  # collective timeout: a stuck rank ends the job after this
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+
+def _one_line(exc: OmegaConfBaseException) -> str:
+    msg = str(exc).splitlines()[0].strip()
+    key = getattr(exc, "full_key", None)
+    if key and key not in msg:
+        msg = f"{key}: {msg}"
+    return msg
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> DictConfig:
+    """Build the read-only config from defaults, an optional YAML file and overrides."""
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"config file not found: {path} (pass an existing YAML file to --config)")
+        try:
+            loaded = OmegaConf.load(file)
+        except Exception as exc:  # YAML syntax errors and the like
+            raise UserError(f"bad config file {path}: {str(exc).splitlines()[0]}") from None
+        if not isinstance(loaded, DictConfig):
+            raise UserError(f"config file {path} must hold a mapping of keys to values")
+        cfg = _merge(cfg, loaded)
+    return _finish(cfg, overrides)
+
+
+def config_from_dict(data: dict, overrides: Optional[list[str]] = None) -> DictConfig:
+    """Rebuild a config saved in a checkpoint, then apply overrides."""
+    return _finish(_merge(OmegaConf.structured(Config), OmegaConf.create(data)), overrides)
+
+
+def _merge(base: DictConfig, other: DictConfig) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise UserError(f"bad config: {_one_line(exc)}") from None
+
+
+def _finish(cfg: DictConfig, overrides: Optional[list[str]]) -> DictConfig:
+    for item in overrides or []:
+        if "=" not in item:
+            raise UserError(f"override '{item}' is not KEY=VALUE (for example train.epochs=5)")
+        try:
+            dotlist = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as exc:
+            raise UserError(f"bad override '{item}': {_one_line(exc)}") from None
+        cfg = _merge(cfg, dotlist)
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{name}={value} is not one of {', '.join(choices)}")
+
+
+def _positive(value: float, name: str, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise UserError(f"{name}={value} must be {bound}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and choice checks that the types alone do not express."""
+    _choice(cfg.strategy, "strategy", STRATEGIES)
+    _choice(cfg.precision, "precision", PRECISIONS)
+    _choice(cfg.optim.name, "optim.name", OPTIMIZERS)
+    _choice(cfg.optim.lr_scaling, "optim.lr_scaling", LR_SCALING)
+    _choice(cfg.sched.name, "sched.name", SCHEDULES)
+    parse_devices(cfg.devices)
+    _positive(cfg.train.global_batch_size, "train.global_batch_size")
+    _positive(cfg.train.grad_accum, "train.grad_accum")
+    _positive(cfg.train.epochs, "train.epochs")
+    _positive(cfg.train.max_steps, "train.max_steps", zero_ok=True)
+    _positive(cfg.optim.lr, "optim.lr")
+    _positive(cfg.optim.base_batch_size, "optim.base_batch_size")
+    _positive(cfg.optim.weight_decay, "optim.weight_decay", zero_ok=True)
+    _positive(cfg.sched.warmup_epochs, "sched.warmup_epochs", zero_ok=True)
+    _positive(cfg.sched.step_epochs, "sched.step_epochs")
+    _positive(cfg.clip_grad_norm, "clip_grad_norm", zero_ok=True)
+    _positive(cfg.log_every, "log_every")
+    _positive(cfg.threads, "threads", zero_ok=True)
+    _positive(cfg.dist_timeout_s, "dist_timeout_s")
+    _positive(cfg.data.image_size, "data.image_size")
+    _positive(cfg.data.train_size, "data.train_size")
+    _positive(cfg.data.val_size, "data.val_size")
+    _positive(cfg.data.eval_batch_size, "data.eval_batch_size")
+    _positive(cfg.data.crop_padding, "data.crop_padding", zero_ok=True)
+    if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
+        raise UserError("data.mean and data.std need 3 values each, std > 0")
+    if len(cfg.optim.betas) != 2:
+        raise UserError("optim.betas needs 2 values, e.g. optim.betas=[0.9,0.999]")
+    if cfg.train.global_batch_size % cfg.train.grad_accum:
+        raise UserError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+            f"train.grad_accum={cfg.train.grad_accum}; change one of them"
+        )
+
+
+def parse_devices(devices: Any) -> Optional[list[int]]:
+    """None for CPU, [] for 'all GPUs present' (auto), else the listed GPU ids."""
+    if isinstance(devices, str):
+        if devices == "cpu":
+            return None
+        if devices == "auto":
+            return []
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        devices = [devices]
+    if isinstance(devices, (list, tuple, ListConfig)) and len(devices) > 0:
+        ids = list(devices)
+        if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            if len(set(ids)) != len(ids):
+                raise UserError(f"devices={ids} lists a GPU twice; list each GPU id once")
+            return ids
+    raise UserError(f"devices={devices} must be auto, cpu, or a list of GPU ids like [0,1]")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def to_dict(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

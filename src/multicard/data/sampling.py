@@ -1,0 +1,90 @@
+"""Which samples each rank reads: global batches that do not depend on the world size.
+
+An epoch is a permutation drawn from (seed, epoch). Optimizer step s takes the global batch
+perm[s*B:(s+1)*B]; micro-step m of it takes a contiguous 1/grad_accum slice, and rank r takes
+its contiguous 1/world_size part of that slice. So the same samples form each optimizer step
+whatever the world size, and every sample is read once per epoch (a trailing partial global
+batch is dropped, with a fresh permutation each epoch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from multicard.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Global batch → per-process micro-batch; derived once, here."""
+
+    global_batch: int
+    grad_accum: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        per_step = self.world_size * self.grad_accum
+        if self.global_batch % per_step:
+            lo = (self.global_batch // per_step) * per_step or per_step
+            raise UserError(
+                f"train.global_batch_size={self.global_batch} is not divisible by "
+                f"{self.world_size} process(es) × train.grad_accum={self.grad_accum}; "
+                f"use a multiple of {per_step} such as {lo} or {lo + per_step}"
+            )
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples one process handles in one micro-step."""
+        return self.global_batch // (self.world_size * self.grad_accum)
+
+    def steps_per_epoch(self, num_samples: int) -> int:
+        return num_samples // self.global_batch
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=g)
+
+
+class ShardedBatchSampler:
+    """Yields this rank's index tensor for each micro-step of an epoch."""
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.start_step = 0  # optimizer steps of this epoch already done (for resuming)
+        if plan.steps_per_epoch(num_samples) == 0:
+            raise UserError(
+                f"the training set has {num_samples} samples, fewer than one global batch of "
+                f"{plan.global_batch}; lower train.global_batch_size"
+            )
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch = epoch
+        self.start_step = start_step
+
+    def __len__(self) -> int:
+        steps = self.plan.steps_per_epoch(self.num_samples) - self.start_step
+        return steps * self.plan.grad_accum
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        perm = epoch_permutation(self.num_samples, self.seed, self.epoch)
+        plan = self.plan
+        slice_size = plan.global_batch // plan.grad_accum
+        for step in range(self.start_step, plan.steps_per_epoch(self.num_samples)):
+            for micro in range(plan.grad_accum):
+                start = step * plan.global_batch + micro * slice_size + self.rank * plan.micro_batch
+                yield perm[start : start + plan.micro_batch]
+
+
+def eval_shard(num_samples: int, rank: int, world_size: int) -> range:
+    """This rank's contiguous share of the evaluation set: no padding, no duplicates."""
+    base, extra = divmod(num_samples, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))

@@ -1,0 +1,266 @@
+"""The training and evaluation loops, driven through a Strategy.
+
+Host syncs happen only at logging intervals and epoch ends: per-step statistics stay on the
+device until then. Every control-flow decision (NaN stop, best checkpoint) is taken from
+values already reduced across ranks, so all ranks decide alike.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from multicard import checkpoint
+from multicard.config import to_dict
+from multicard.errors import TrainingDiverged
+from multicard.precision import Precision
+from multicard.strategy import Strategy
+from multicard.telemetry import Reporter
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    top1: float  # percent
+    top5: float  # percent
+    samples: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"top1": self.top1, "top5": self.top5, "loss": self.loss, "samples": self.samples}
+
+
+def _logits_for_loss(out: torch.Tensor) -> torch.Tensor:
+    # Reduced-precision logits are upcast so the loss and its statistics are computed in fp32.
+    return out if out.dtype in (torch.float32, torch.float64) else out.float()
+
+
+def _prepare_input(x: torch.Tensor, precision: Precision, channels_last: bool) -> torch.Tensor:
+    if precision.param_dtype != torch.float32:
+        x = x.to(precision.param_dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    strategy: Strategy,
+    channels_last: bool = False,
+) -> EvalResult:
+    """Exact metrics: each rank sums (loss, correct@1, correct@5, count) over its own share,
+    then the sums are reduced. No sample is padded or counted twice."""
+    was_training = model.training
+    model.eval()
+    device = strategy.ctx.device
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
+    for x, y in batches:
+        x = _prepare_input(x, strategy.precision, channels_last)
+        with strategy.precision.autocast():
+            out = model(x)
+        logits = _logits_for_loss(out)
+        k = min(5, logits.shape[1])
+        topk = logits.topk(k, dim=1).indices
+        hits = topk == y.view(-1, 1)
+        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        totals[1] += hits[:, 0].sum()
+        totals[2] += hits.any(dim=1).sum()
+        totals[3] += y.numel()
+    strategy.all_reduce_sum(totals)
+    loss_sum, c1, c5, n = totals.tolist()
+    model.train(was_training)
+    if n == 0:
+        return EvalResult(loss=float("nan"), top1=0.0, top5=0.0, samples=0)
+    return EvalResult(loss=loss_sum / n, top1=100 * c1 / n, top5=100 * c5 / n, samples=int(n))
+
+
+def peak_memory_mb(devices: list[torch.device]) -> list[float]:
+    """Peak memory of each device this process uses (CPU: the process's peak RSS)."""
+    out = []
+    for device in devices:
+        if device.type == "cuda":
+            out.append(torch.cuda.max_memory_allocated(device) / 2**20)
+        else:
+            out.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return [round(v, 1) for v in out]
+
+
+def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
+    steps = cfg.train.epochs * steps_per_epoch
+    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule and scaler for one run."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        strategy: Strategy,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_loader: Any,
+        val_loader: Any,
+        steps_per_epoch: int,
+        reporter: Reporter,
+        out_dir: Path,
+    ) -> None:
+        self.cfg = cfg
+        self.strategy = strategy
+        self.model = model
+        self.bare = strategy.unwrap(model)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = strategy.precision.grad_scaler()
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.steps_per_epoch = steps_per_epoch
+        self.reporter = reporter
+        self.ckpt_dir = out_dir / "checkpoints"
+        self.global_step = 0
+        self.best_top1 = -1.0
+        self.total_steps = total_steps(cfg, steps_per_epoch)
+
+    def fit(self) -> Optional[EvalResult]:
+        """Train to the end of the schedule, evaluating and checkpointing after each epoch."""
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        result = None
+        self.reporter.start_progress(self.total_steps, done=self.global_step)
+        try:
+            for epoch in range(epochs):
+                steps = min(self.steps_per_epoch, self.total_steps - self.global_step)
+                result = self._run_epoch(epoch, steps)
+        finally:
+            self.reporter.stop_progress()
+        return result
+
+    def _run_epoch(self, epoch: int, steps: int) -> EvalResult:
+        start = time.perf_counter()
+        train_loss, train_top1, samples = self._train_epoch(epoch, steps)
+        train_s = time.perf_counter() - start
+        val = evaluate(self.bare, self.val_loader, self.strategy, self.cfg.model.channels_last)
+        peaks = [mb for rank_peaks in self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices)) for mb in rank_peaks]
+        epoch_s = time.perf_counter() - start
+        record = {
+            "epoch": epoch,
+            "step": self.global_step,
+            "train_loss": train_loss,
+            "train_top1": train_top1,
+            "val_loss": val.loss,
+            "val_top1": val.top1,
+            "val_top5": val.top5,
+            "val_samples": val.samples,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "img_per_s": samples / train_s,
+            "epoch_s": epoch_s,
+            "peak_mem_mb": peaks,
+        }
+        self.reporter.record("epoch", **record)
+        self.reporter.print(
+            f"epoch {epoch}: train loss {train_loss:.4f} top-1 {train_top1:.2f}% | "
+            f"val loss {val.loss:.4f} top-1 {val.top1:.2f}% top-5 {val.top5:.2f}% | "
+            f"{record['img_per_s']:.0f} img/s, {epoch_s:.1f} s"
+        )
+        self._save(epoch, val)
+        return val
+
+    def _train_epoch(self, epoch: int, steps: int) -> tuple[float, float, int]:
+        """Run `steps` optimizer steps; return the epoch's (mean loss, top-1 %, samples)."""
+        cfg, strategy, model = self.cfg, self.strategy, self.model
+        accum = cfg.train.grad_accum
+        channels_last = cfg.model.channels_last
+        precision = strategy.precision
+        model.train()
+        self.train_loader.set_epoch(epoch)
+        batches = iter(self.train_loader)
+        window = torch.zeros(3, dtype=torch.float64, device=strategy.ctx.device)  # loss sum, correct, count
+        epoch_totals = [0.0, 0.0, 0.0]
+        window_start = time.perf_counter()
+        for i in range(steps):
+            for micro in range(accum):
+                x, y = next(batches)
+                x = _prepare_input(x, precision, channels_last)
+                sync = micro == accum - 1
+                with nullcontext() if sync else strategy.no_sync(model):
+                    logits = _logits_for_loss(model(x))
+                    loss = F.cross_entropy(logits, y)
+                    self.scaler.scale(loss / accum).backward()
+                with torch.no_grad():
+                    window[0] += loss.detach() * y.numel()
+                    window[1] += (logits.argmax(dim=1) == y).sum()
+                    window[2] += y.numel()
+            self._optimizer_step()
+            self.global_step += 1
+            status = None
+            if self.global_step % cfg.log_every == 0 or i == steps - 1:
+                loss_sum, correct, count = self._reduce_window(window)
+                elapsed = time.perf_counter() - window_start
+                window_start = time.perf_counter()
+                epoch_totals = [a + b for a, b in zip(epoch_totals, (loss_sum, correct, count))]
+                self.reporter.record(
+                    "step",
+                    epoch=epoch,
+                    step=self.global_step,
+                    loss=loss_sum / count,
+                    top1=100 * correct / count,
+                    lr=self.optimizer.param_groups[0]["lr"],
+                    img_per_s=count / elapsed,
+                )
+                status = f"loss {loss_sum / count:.4f}"
+            self.reporter.advance(epoch, status)
+        loss_sum, correct, count = epoch_totals
+        return loss_sum / count, 100 * correct / count, int(count)
+
+    def _optimizer_step(self) -> None:
+        if self.cfg.clip_grad_norm:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _reduce_window(self, window: torch.Tensor) -> tuple[float, float, float]:
+        """Sum the window over ranks (one host sync), stop everyone on a non-finite loss."""
+        reduced = self.strategy.all_reduce_sum(window.clone())
+        window.zero_()
+        loss_sum, correct, count = reduced.tolist()
+        if not math.isfinite(loss_sum):
+            raise TrainingDiverged(
+                f"loss is {loss_sum / count} at step {self.global_step}; lower optim.lr, "
+                f"set clip_grad_norm, or use precision=fp32"
+            )
+        return loss_sum, correct, count
+
+    def _save(self, epoch: int, val: EvalResult) -> None:
+        """last.pt every epoch, best.pt when validation top-1 improves; rank 0 writes."""
+        is_best = val.top1 > self.best_top1
+        self.best_top1 = max(self.best_top1, val.top1)
+        if self.strategy.ctx.is_main:
+            state = checkpoint.make_state(
+                model=self.bare.state_dict(),
+                optimizer=self.optimizer.state_dict(),
+                scheduler=self.scheduler.state_dict(),
+                scaler=self.scaler.state_dict(),
+                epoch=epoch,
+                step=self.global_step,
+                val=val.as_dict(),
+                config=to_dict(self.cfg),
+            )
+            checkpoint.save_atomic(state, self.ckpt_dir / "last.pt")
+            if is_best:
+                checkpoint.save_atomic(state, self.ckpt_dir / "best.pt")
+        self.strategy.barrier()

@@ -1,0 +1,89 @@
+"""Model registry: torchvision names, CIFAR variants, a small CNN, and `package.module:function`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch.nn as nn
+import torchvision
+
+from multicard.errors import UserError
+
+
+def resnet18_cifar(num_classes: int, **kwargs: Any) -> nn.Module:
+    """ResNet-18 for 32×32 inputs: a 3×3 stride-1 stem and no max-pool."""
+    model = torchvision.models.resnet18(weights=None, num_classes=num_classes, **kwargs)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def smallcnn(num_classes: int, width: int = 32, norm: str = "batch") -> nn.Module:
+    """Three conv blocks and global max-pool: trains in seconds on a CPU.
+
+    norm="none" gives a model without BatchNorm, whose DDP and single-process runs agree
+    exactly (used by the parity tests and `multicard verify`).
+    """
+    if norm not in ("batch", "none"):
+        raise UserError(f"model.kwargs.norm={norm} is not one of batch, none")
+
+    def block(cin: int, cout: int) -> nn.Sequential:
+        layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1, bias=norm == "none")]
+        if norm == "batch":
+            layers.append(nn.BatchNorm2d(cout))
+        layers.append(nn.ReLU(inplace=True))
+        return nn.Sequential(*layers)
+
+    return nn.Sequential(
+        block(3, width),
+        nn.MaxPool2d(2),
+        block(width, 2 * width),
+        nn.MaxPool2d(2),
+        block(2 * width, 4 * width),
+        nn.AdaptiveMaxPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * width, num_classes),
+    )
+
+
+BUILTIN: dict[str, Callable[..., nn.Module]] = {
+    "resnet18_cifar": resnet18_cifar,
+    "smallcnn": smallcnn,
+}
+
+
+def _import_factory(spec: str) -> Callable[..., nn.Module]:
+    module_name, _, func_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"model.name={spec}: cannot import module {module_name} ({exc})") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise UserError(f"model.name={spec}: module {module_name} has no function {func_name}")
+    return factory
+
+
+def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """Build an untrained classifier with `num_classes` outputs."""
+    kwargs = dict(kwargs or {})
+    if ":" in name:
+        factory = _import_factory(name)
+    elif name in BUILTIN:
+        factory = BUILTIN[name]
+    elif name in torchvision.models.list_models(module=torchvision.models):
+        def factory(num_classes: int, **kw: Any) -> nn.Module:
+            return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kw)
+    else:
+        raise UserError(
+            f"model.name={name} is unknown: use a torchvision classification model (e.g. resnet18), "
+            f"{', '.join(BUILTIN)}, or package.module:function"
+        )
+    try:
+        model = factory(num_classes=num_classes, **kwargs)
+    except TypeError as exc:
+        raise UserError(f"model.name={name} rejected its arguments (model.kwargs): {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.name={name} returned {type(model).__name__}, not a torch.nn.Module")
+    return model

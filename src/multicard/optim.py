@@ -1,0 +1,56 @@
+"""Optimizer and per-iteration learning-rate schedule, with an explicit LR scaling rule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+
+def scaled_lr(cfg: DictConfig) -> float:
+    """Peak LR: optim.lr × (global batch / base batch)^p, p = 0 (none), 1 (linear), 1/2 (sqrt)."""
+    power = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}[cfg.optim.lr_scaling]
+    return cfg.optim.lr * (cfg.train.global_batch_size / cfg.optim.base_batch_size) ** power
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and normalisation weights (1-D parameters)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
+    o = cfg.optim
+    groups = _param_groups(model, o.weight_decay)
+    lr = scaled_lr(cfg)
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas))
+    return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, steps_per_epoch: int, cfg: DictConfig) -> float:
+    """Multiplier of the peak LR before optimizer step `step` (0-based)."""
+    s = cfg.sched
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if s.name == "constant":
+        return 1.0
+    if s.name == "step":
+        return s.gamma ** (step // (s.step_epochs * steps_per_epoch))
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return s.final_lr_ratio + (1 - s.final_lr_ratio) * cosine
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = round(cfg.sched.warmup_epochs * steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, warmup, steps_per_epoch, cfg)
+    )

@@ -1,0 +1,149 @@
+"""What one process does for `train` and `eval`: set up, build from the config, run, tear down."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from multicard import checkpoint, dist
+from multicard.config import config_from_dict, parse_devices, to_yaml
+from multicard.data import build_data
+from multicard.data.sampling import BatchPlan
+from multicard.engine import EvalResult, Trainer, evaluate, total_steps
+from multicard.errors import UserError
+from multicard.models import build_model
+from multicard.optim import build_optimizer, build_scheduler
+from multicard.precision import Precision
+from multicard.strategy import Strategy, make_strategy
+from multicard.telemetry import Reporter
+
+
+def resolve_strategy(name: str, env: dist.ProcessEnv) -> str:
+    """auto → ddp under a launcher, else single; single/dp cannot run as several processes."""
+    if name == "auto":
+        return "ddp" if env.launched else "single"
+    if name in ("single", "dp") and env.world_size > 1:
+        raise UserError(
+            f"strategy={name} runs in one process but the launcher started {env.world_size}; "
+            f"use strategy=ddp (or auto)"
+        )
+    return name
+
+
+def check_topology(cfg: DictConfig, strategy: str, world_size: int, local_world_size: int) -> list[int]:
+    """Checks that need the process count, made before any worker starts; returns GPU ids."""
+    gpus = dist.resolve_gpus(parse_devices(cfg.devices))
+    if strategy == "ddp" and gpus and local_world_size > len(gpus):
+        raise UserError(
+            f"{local_world_size} processes per node but only {len(gpus)} GPU(s) in use; "
+            f"lower --nproc-per-node to {len(gpus)} or set devices=cpu"
+        )
+    if strategy == "dp" and not gpus:
+        raise UserError(
+            "strategy=dp needs CUDA GPUs and none is in use; use strategy=ddp with "
+            "--nproc-per-node N for several CPU processes, or strategy=single"
+        )
+    if cfg.sync_bn and (strategy != "ddp" or not gpus):
+        raise UserError("sync_bn=true needs strategy=ddp on CUDA GPUs; set sync_bn=false")
+    plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
+    if strategy == "dp" and plan.micro_batch % len(gpus):
+        raise UserError(
+            f"strategy=dp splits each micro-batch of {plan.micro_batch} over {len(gpus)} GPUs; "
+            f"make train.global_batch_size / train.grad_accum a multiple of {len(gpus)}"
+        )
+    return gpus
+
+
+def prepare_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"out_dir={path} cannot be created ({exc.strerror}); choose a writable out_dir") from None
+    if not os.access(out, os.W_OK):
+        raise UserError(f"out_dir={path} is not writable; choose a writable out_dir")
+    return out
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _build_model(cfg: DictConfig, num_classes: int) -> torch.nn.Module:
+    # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's).
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs))
+
+
+def _start(cfg: DictConfig, env: dist.ProcessEnv, strategy_name: str) -> tuple[dist.DistContext, Strategy]:
+    gpus = check_topology(cfg, strategy_name, env.world_size, env.local_world_size)
+    ctx = dist.setup(env, gpus, strategy_name == "ddp", cfg.threads, cfg.dist_timeout_s)
+    precision = Precision(cfg.precision, ctx.device.type)
+    return ctx, make_strategy(strategy_name, ctx, precision, gpus)
+
+
+def train(cfg: DictConfig, env: dist.ProcessEnv) -> Optional[EvalResult]:
+    """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
+    strategy_name = resolve_strategy(cfg.strategy, env)
+    out_dir = prepare_out_dir(cfg.out_dir)
+    ctx, strategy = _start(cfg, env, strategy_name)
+    reporter = Reporter(ctx.is_main, ctx.rank, out_dir)
+    try:
+        reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
+        plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
+        data = build_data(cfg, plan, ctx.rank, ctx.world_size, ctx.device)
+        model = _build_model(cfg, data.num_classes)
+        _seed_everything(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
+        model = strategy.prepare(model, cfg)
+        steps_per_epoch = plan.steps_per_epoch(len(data.train.data))
+        optimizer = build_optimizer(strategy.unwrap(model), cfg)
+        scheduler = build_scheduler(optimizer, cfg, total_steps(cfg, steps_per_epoch), steps_per_epoch)
+        trainer = Trainer(
+            cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir
+        )
+        reporter.print(
+            f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
+            f"precision={cfg.precision} model={cfg.model.name} global_batch={plan.global_batch} "
+            f"(micro-batch {plan.micro_batch} × {ctx.world_size} process(es) × {plan.grad_accum} accum)"
+        )
+        result = trainer.fit()
+        if result is not None:
+            reporter.print(f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% ({result.samples} images)")
+        return result
+    finally:
+        reporter.close()
+        dist.teardown()
+
+
+def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, as_json: bool) -> EvalResult:
+    """Exact evaluation of a checkpoint on the configured validation data, any world size."""
+    state = checkpoint.load(path)
+    cfg = config_from_dict(state["config"], overrides)
+    strategy_name = "ddp" if env.launched else "single"
+    ctx, strategy = _start(cfg, env, strategy_name)
+    try:
+        data = build_data(cfg, None, ctx.rank, ctx.world_size, ctx.device)
+        model = _build_model(cfg, data.num_classes)
+        checkpoint.load_model_state(model, state["model"], path)
+        model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
+        result = evaluate(model, data.val, strategy, cfg.model.channels_last)
+        if ctx.is_main:
+            if as_json:
+                print(json.dumps(result.as_dict()))
+            else:
+                print(
+                    f"top-1 {result.top1:.2f}%  top-5 {result.top5:.2f}%  loss {result.loss:.4f}  "
+                    f"({result.samples} images, {ctx.world_size} process(es))"
+                )
+        return result
+    finally:
+        dist.teardown()

@@ -1,0 +1,132 @@
+"""How the processes share work: one small interface for single, dp and ddp.
+
+Single-process training is world size 1 with no-op collectives; dp and ddp override only
+what differs. The engine talks to the model and to the other ranks through a Strategy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from multicard.dist import DistContext
+from multicard.precision import AutocastForward, Precision
+
+
+_DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+
+
+class Strategy:
+    """One process, one device: the base every other strategy refines."""
+
+    name = "single"
+
+    def __init__(self, ctx: DistContext, precision: Precision) -> None:
+        self.ctx = ctx
+        self.precision = precision
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Devices whose memory this process uses."""
+        return [self.ctx.device]
+
+    def prepare(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
+        """Move to the device and dtype, wrap for autocast and for the strategy."""
+        model = model.to(self.ctx.device, dtype=self.precision.param_dtype)
+        if cfg.model.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.precision.autocast_dtype is not None:
+            model = AutocastForward(model, self.precision)
+        return self.wrap(model, cfg)
+
+    def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
+        return model
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        """The bare model (no `module.` prefixes), for saving and evaluation."""
+        while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel, AutocastForward)):
+            model = model.module if not isinstance(model, AutocastForward) else model.model
+        return model
+
+    def no_sync(self, model: nn.Module) -> ContextManager[Any]:
+        """Context for micro-steps whose gradients need not be reduced yet."""
+        return nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+class DataParallelStrategy(Strategy):
+    """nn.DataParallel: one process drives several GPUs; the batch is split per forward."""
+
+    name = "dp"
+
+    def __init__(self, ctx: DistContext, precision: Precision, gpus: list[int]) -> None:
+        super().__init__(ctx, precision)
+        self.gpus = gpus
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [torch.device("cuda", i) for i in self.gpus]
+
+    def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
+        return nn.DataParallel(model, device_ids=self.gpus, output_device=self.gpus[0])
+
+
+class DDPStrategy(Strategy):
+    """DistributedDataParallel: one process per device, gradients all-reduced in buckets."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
+        if cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        knobs = cfg.ddp
+        # Newer torch renamed broadcast_buffers; pass the knob under whichever name it knows.
+        buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"
+        return nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
+            bucket_cap_mb=knobs.bucket_cap_mb,
+            static_graph=knobs.static_graph,
+            gradient_as_bucket_view=knobs.gradient_as_bucket_view,
+            find_unused_parameters=knobs.find_unused_parameters,
+            **{buffers_kw: knobs.broadcast_buffers},
+        )
+
+    def no_sync(self, model: nn.Module) -> ContextManager[Any]:
+        return model.no_sync()  # type: ignore[operator]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def make_strategy(name: str, ctx: DistContext, precision: Precision, gpus: list[int]) -> Strategy:
+    """Build the strategy named by the resolved config (run.check_topology vetted it)."""
+    if name == "dp":
+        return DataParallelStrategy(ctx, precision, gpus)
+    if name == "ddp":
+        return DDPStrategy(ctx, precision)
+    return Strategy(ctx, precision)

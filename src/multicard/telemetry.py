@@ -1,0 +1,86 @@
+"""Rank-0 side effects: console, progress bar and metrics.jsonl.
+
+`Reporter` does its work on the main rank and nothing elsewhere, so the engine never checks
+ranks itself. Warnings go to stderr from every rank, prefixed with the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+class Reporter:
+    def __init__(self, is_main: bool, rank: int, out_dir: Optional[Path]) -> None:
+        self.is_main = is_main
+        self.rank = rank
+        self.console = Console(highlight=False, soft_wrap=True)
+        self._progress: Optional[Progress] = None
+        self._task: Any = None
+        self._metrics = None
+        if is_main and out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(out_dir / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+
+    def print(self, message: str) -> None:
+        if self.is_main:
+            self.console.print(message)
+
+    def warn(self, message: str) -> None:
+        print(f"multicard: warning (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+
+    def write_text(self, path: Path, text: str) -> None:
+        if self.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """Append one JSON object to metrics.jsonl."""
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"kind": kind, **fields}) + "\n")
+            self._metrics.flush()
+
+    def start_progress(self, total_steps: int, done: int = 0) -> None:
+        if not self.is_main:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total_steps, completed=done, status="")
+
+    def advance(self, epoch: int, status: Optional[str] = None) -> None:
+        if self._progress is not None:
+            fields = {"status": status} if status is not None else {}
+            self._progress.update(self._task, advance=1, description=f"epoch {epoch}", **fields)
+
+    def stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def close(self) -> None:
+        self.stop_progress()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
