@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from multicard.errors import UserError
 
@@ -103,6 +103,9 @@ class Config:
 
 
 def _one_line(exc: OmegaConfBaseException) -> str:
+    if isinstance(exc, ConfigKeyError) and getattr(exc, "key", None) is not None:
+        key = exc.full_key or exc.key
+        return f"unknown key '{key}'; check its spelling against multicard's config (README, Configuration)"
     msg = str(exc).splitlines()[0].strip()
     key = getattr(exc, "full_key", None)
     if key and key not in msg:

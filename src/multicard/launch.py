@@ -64,7 +64,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "multicard", *worker_argv)
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items())
+        rank, failure = exc.get_first_failure()  # the cause, not a worker the agent then stopped
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         if code not in (UserError.exit_code, 3):  # those already printed their one line
             print(f"multicard: error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)

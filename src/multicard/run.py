@@ -37,7 +37,9 @@ def resolve_strategy(name: str, env: dist.ProcessEnv) -> str:
     return name
 
 
-def check_topology(cfg: DictConfig, strategy: str, world_size: int, local_world_size: int) -> list[int]:
+def check_topology(
+    cfg: DictConfig, strategy: str, world_size: int, local_world_size: int, training: bool = True
+) -> list[int]:
     """Checks that need the process count, made before any worker starts; returns GPU ids."""
     gpus = dist.resolve_gpus(parse_devices(cfg.devices))
     if strategy == "ddp" and gpus and local_world_size > len(gpus):
@@ -52,6 +54,8 @@ def check_topology(cfg: DictConfig, strategy: str, world_size: int, local_world_
         )
     if cfg.sync_bn and (strategy != "ddp" or not gpus):
         raise UserError("sync_bn=true needs strategy=ddp on CUDA GPUs; set sync_bn=false")
+    if not training:
+        return gpus
     plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
     if strategy == "dp" and plan.micro_batch % len(gpus):
         raise UserError(
@@ -84,8 +88,10 @@ def _build_model(cfg: DictConfig, num_classes: int) -> torch.nn.Module:
     return build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs))
 
 
-def _start(cfg: DictConfig, env: dist.ProcessEnv, strategy_name: str) -> tuple[dist.DistContext, Strategy]:
-    gpus = check_topology(cfg, strategy_name, env.world_size, env.local_world_size)
+def _start(
+    cfg: DictConfig, env: dist.ProcessEnv, strategy_name: str, training: bool
+) -> tuple[dist.DistContext, Strategy]:
+    gpus = check_topology(cfg, strategy_name, env.world_size, env.local_world_size, training)
     ctx = dist.setup(env, gpus, strategy_name == "ddp", cfg.threads, cfg.dist_timeout_s)
     precision = Precision(cfg.precision, ctx.device.type)
     return ctx, make_strategy(strategy_name, ctx, precision, gpus)
@@ -95,7 +101,7 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> Optional[EvalResult]:
     """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
     strategy_name = resolve_strategy(cfg.strategy, env)
     out_dir = prepare_out_dir(cfg.out_dir)
-    ctx, strategy = _start(cfg, env, strategy_name)
+    ctx, strategy = _start(cfg, env, strategy_name, training=True)
     reporter = Reporter(ctx.is_main, ctx.rank, out_dir)
     try:
         reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
@@ -129,7 +135,7 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, a
     state = checkpoint.load(path)
     cfg = config_from_dict(state["config"], overrides)
     strategy_name = "ddp" if env.launched else "single"
-    ctx, strategy = _start(cfg, env, strategy_name)
+    ctx, strategy = _start(cfg, env, strategy_name, training=False)
     try:
         data = build_data(cfg, None, ctx.rank, ctx.world_size, ctx.device)
         model = _build_model(cfg, data.num_classes)

@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+
+.PHONY: demo test lint install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
+	$(PIP) -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+# The main job: DDP with 2 processes on the embedded dataset (GPUs if 2 are present, else CPU).
+demo: $(VENV)/.installed
+	@devices=$$($(PY) -c "import torch; print('auto' if torch.cuda.device_count() >= 2 else 'cpu')"); \
+	$(VENV)/bin/multicard train --config configs/demo.yaml --nproc-per-node 2 devices=$$devices
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed-dev
+	$(PY) -m ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

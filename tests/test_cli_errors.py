@@ -1,0 +1,65 @@
+"""Every bad input exits 2 with one line on stderr and no traceback."""
+
+import pytest
+import torch
+from conftest import TINY, cli
+
+from multicard.cli import main
+
+BAD_OVERRIDES = [
+    (["nosuch.key=1"], "unknown key 'nosuch'"),
+    (["train.epochs=many"], "train.epochs"),
+    (["train.global_batch_size=30", "train.grad_accum=4"], "not divisible"),
+    (["strategy=dp", "devices=cpu"], "strategy=dp needs CUDA GPUs"),
+    (["devices=[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]"], "GPU"),
+    (["model.name=nosuchnet"], "model.name=nosuchnet is unknown"),
+    (["data.name=nosuchdata"], "data.name=nosuchdata"),
+    (["sync_bn=true", "devices=cpu"], "sync_bn=true needs"),
+]
+
+
+@pytest.mark.parametrize("overrides, fragment", BAD_OVERRIDES)
+def test_bad_config_in_process(overrides, fragment, tmp_path, capsys):
+    code = main(["train", *TINY, f"out_dir={tmp_path}", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert fragment in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_launcher_checks_divisibility_by_processes_before_starting(tmp_path, capsys):
+    code = main(["train", "--nproc-per-node", "2", *TINY, "train.global_batch_size=33", f"out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "2 process(es)" in err and err.count("\n") == 1
+
+
+def test_nproc_with_single_strategy_is_refused(tmp_path, capsys):
+    assert main(["train", "--nproc-per-node", "2", *TINY, "strategy=single", f"out_dir={tmp_path}"]) == 2
+    assert "use strategy=ddp" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--nosuch-flag"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_unwritable_out_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["train", *TINY, f"out_dir={blocker}/run"]) == 2
+    assert "choose a writable out_dir" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the message on a machine without GPUs")
+def test_real_process_exit_code_and_single_line(tmp_path):
+    result = cli("train", *TINY, f"out_dir={tmp_path}", "strategy=dp", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "strategy=dp needs CUDA GPUs" in result.stderr
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_eval_of_missing_checkpoint(tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path / "none.pt")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+import pytest
+
+from multicard.config import load_config, parse_devices
+from multicard.errors import UserError
+
+
+def test_defaults_are_valid_and_read_only():
+    cfg = load_config()
+    assert cfg.strategy == "auto" and cfg.train.global_batch_size == 256
+    with pytest.raises(Exception):
+        cfg.seed = 3
+
+
+def test_cli_overrides_beat_yaml_which_beats_defaults(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  epochs: 7\n  global_batch_size: 64\noptim:\n  lr: 0.5\n")
+    cfg = load_config(str(f), ["train.epochs=3", "devices=[0,1]"])
+    assert cfg.train.epochs == 3  # override wins
+    assert cfg.train.global_batch_size == 64  # yaml wins over default
+    assert cfg.optim.lr == 0.5
+    assert cfg.optim.momentum == 0.9  # default kept
+    assert list(cfg.devices) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("nosuch=1", "unknown key 'nosuch'"),
+        ("train.nosuch=1", "unknown key 'train.nosuch'"),
+        ("train.epochs=abc", "train.epochs"),
+        ("strategy=fsdp", "strategy=fsdp is not one of"),
+        ("precision=fp8", "precision=fp8"),
+        ("optim.name=lamb", "optim.name=lamb"),
+        ("sched.name=poly", "sched.name=poly"),
+        ("train.global_batch_size=0", "train.global_batch_size=0 must be > 0"),
+        ("devices=gpu", "devices=gpu must be auto, cpu"),
+        ("devices=[0,0]", "lists a GPU twice"),
+        ("train.epochs", "is not KEY=VALUE"),
+    ],
+)
+def test_bad_values_are_one_line_user_errors(override, fragment):
+    with pytest.raises(UserError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_global_batch_must_divide_by_accumulation():
+    with pytest.raises(UserError, match="not divisible by train.grad_accum=3"):
+        load_config(None, ["train.global_batch_size=64", "train.grad_accum=3"])
+
+
+def test_missing_or_broken_config_file(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(UserError, match="bad config file"):
+        load_config(str(bad))
+
+
+def test_parse_devices():
+    assert parse_devices("cpu") is None
+    assert parse_devices("auto") == []
+    assert parse_devices(1) == [1]
+    assert parse_devices([2, 0]) == [2, 0]

@@ -1,0 +1,88 @@
+import pytest
+
+from multicard import dist, run
+from multicard.config import load_config
+from multicard.dist import detect_env, expand_hostlist
+from multicard.errors import UserError
+
+
+def test_plain_process_is_world_size_one():
+    env = detect_env({})
+    assert env.source == "none" and env.world_size == 1 and env.rank == 0 and not env.launched
+
+
+def test_torchrun_variables():
+    env = detect_env(
+        {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+         "GROUP_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
+    )
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("torchrun", 5, 8, 1, 4)
+    assert (env.node_rank, env.master_addr, env.master_port) == (1, "node0", 1234)
+
+
+def test_srun_variables_with_compressed_node_list():
+    env = detect_env(
+        {"SLURM_PROCID": "6", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+         "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
+    )
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 6, 8, 2, 4)
+    assert env.node_rank == 1 and env.master_addr == "gpu07"
+    assert env.master_port == dist.SLURM_DEFAULT_PORT_BASE + 4242
+
+
+def test_sbatch_script_without_srun_is_one_plain_process():
+    assert detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}).source == "none"
+
+
+def test_torchrun_wins_over_slurm_variables():
+    env = detect_env({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    assert env.source == "torchrun" and env.rank == 1
+
+
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node1", ["node1"]),
+        ("a,b", ["a", "b"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu[8-10],login1", ["gpu8", "gpu9", "gpu10", "login1"]),
+        ("rack[1-2]-n[3]", ["rack1-n[3]", "rack2-n[3]"]),
+    ],
+)
+def test_expand_hostlist(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+def test_bad_variable_is_a_user_error():
+    with pytest.raises(UserError, match="RANK"):
+        detect_env({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_nproc_larger_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(dist, "cuda_count", lambda: 2)
+    cfg = load_config(None, ["train.global_batch_size=64"])
+    with pytest.raises(UserError, match="lower --nproc-per-node to 2"):
+        run.check_topology(cfg, "ddp", world_size=4, local_world_size=4)
+    assert run.check_topology(cfg, "ddp", world_size=2, local_world_size=2) == [0, 1]
+
+
+def test_more_gpus_than_exist_is_refused(monkeypatch):
+    monkeypatch.setattr(dist, "cuda_count", lambda: 2)
+    cfg = load_config(None, ["devices=[0,3]"])
+    with pytest.raises(UserError, match="only 2 GPU"):
+        run.check_topology(cfg, "single", 1, 1)
+
+
+def test_dp_batch_must_split_over_its_gpus(monkeypatch):
+    monkeypatch.setattr(dist, "cuda_count", lambda: 3)
+    cfg = load_config(None, ["train.global_batch_size=64", "strategy=dp"])
+    with pytest.raises(UserError, match="multiple of 3"):
+        run.check_topology(cfg, "dp", 1, 1)
+
+
+def test_single_strategy_refuses_several_processes():
+    env = detect_env({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(UserError, match="use strategy=ddp"):
+        run.resolve_strategy("single", env)
+    assert run.resolve_strategy("auto", env) == "ddp"
+    assert run.resolve_strategy("auto", detect_env({})) == "single"

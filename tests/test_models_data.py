@@ -1,0 +1,82 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from multicard.data.synthetic import make_synthetic
+from multicard.errors import UserError
+from multicard.models import build_model
+from multicard.precision import AutocastForward, Precision
+from multicard.strategy import Strategy
+
+
+def tiny_user_model(num_classes):
+    """A user model given as package.module:function."""
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+
+
+def test_torchvision_model_by_name_has_the_dataset_classes():
+    model = build_model("resnet18", 7)
+    assert model.fc.out_features == 7
+
+
+def test_resnet18_cifar_keeps_resolution_in_the_stem():
+    model = build_model("resnet18_cifar", 10)
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert isinstance(model.maxpool, nn.Identity)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_user_model_from_module_function():
+    model = build_model("test_models_data:tiny_user_model", 4)
+    assert model(torch.randn(3, 3, 8, 8)).shape == (3, 4)
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [("nosuchnet", "is unknown"), ("nosuchmodule:f", "cannot import"), ("math:nosuch", "has no function")],
+)
+def test_bad_model_names(name, fragment):
+    with pytest.raises(UserError, match=fragment):
+        build_model(name, 10)
+
+
+def test_smallcnn_without_norm_has_no_batchnorm():
+    model = build_model("smallcnn", 10, {"norm": "none"})
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+def test_synthetic_is_deterministic_and_balanced():
+    x1, y1 = make_synthetic(500, 16, seed=3)
+    x2, y2 = make_synthetic(500, 16, seed=3)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.dtype == torch.uint8 and x1.shape == (500, 3, 16, 16)
+    assert torch.bincount(y1).tolist() == [50] * 10
+    x3, _ = make_synthetic(500, 16, seed=4)
+    assert not torch.equal(x1, x3)
+    assert make_synthetic(10, 64, seed=0)[0].shape == (10, 3, 64, 64)
+
+
+def test_linear_classifier_stays_far_below_90_percent():
+    """The embedded dataset must not be solvable by a linear model on pixels."""
+    torch.manual_seed(0)
+    xtr, ytr = make_synthetic(6000, 16, seed=0)
+    xva, yva = make_synthetic(2000, 16, seed=1)
+    xtr, xva = (xtr.float() / 255 - 0.5).flatten(1), (xva.float() / 255 - 0.5).flatten(1)
+    linear = nn.Linear(xtr.shape[1], 10)
+    opt = torch.optim.Adam(linear.parameters(), lr=1e-3)
+    for _ in range(30):
+        for idx in torch.randperm(6000).split(200):
+            opt.zero_grad()
+            F.cross_entropy(linear(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+    accuracy = (linear(xva).argmax(1) == yva).float().mean().item()
+    assert accuracy < 0.5, accuracy
+
+
+def test_autocast_wrapper_runs_forward_in_bf16_and_unwraps():
+    model = nn.Linear(4, 2)
+    wrapped = AutocastForward(model, Precision("bf16", "cpu"))
+    assert wrapped(torch.randn(3, 4)).dtype == torch.bfloat16
+    assert Strategy.unwrap(nn.DataParallel(wrapped)) is model
+    assert list(Strategy.unwrap(wrapped).state_dict()) == ["weight", "bias"]
