@@ -25,6 +25,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/multicard train --config configs/demo.yaml --nproc-per-node 2 devices=$$devices
 
 test: $(VENV)/.installed-dev
+	$(PY) -m ruff check src tests
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed-dev

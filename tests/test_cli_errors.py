@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import TINY, cli
 
+from conftest import TINY, cli
 from multicard.cli import main
 
 BAD_OVERRIDES = [

@@ -1,4 +1,5 @@
 import pytest
+from omegaconf.errors import ReadonlyConfigError
 
 from multicard.config import load_config, parse_devices
 from multicard.errors import UserError
@@ -7,7 +8,7 @@ from multicard.errors import UserError
 def test_defaults_are_valid_and_read_only():
     cfg = load_config()
     assert cfg.strategy == "auto" and cfg.train.global_batch_size == 256
-    with pytest.raises(Exception):
+    with pytest.raises(ReadonlyConfigError):
         cfg.seed = 3
 
 

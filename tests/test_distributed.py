@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from conftest import TINY, cli, load_checkpoint
 
 pytestmark = pytest.mark.distributed

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import LEARN, cli, load_checkpoint, requires_2_gpus, requires_cuda, torchrun
 
+from conftest import LEARN, cli, load_checkpoint, requires_2_gpus, requires_cuda, torchrun
 from multicard.models import build_model
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,8 @@ def test_builtin_launcher_two_processes(tmp_path):
 
 
 def test_torchrun_unchanged(tmp_path):
-    result = torchrun("--standalone", "--nproc-per-node", "2", "-m", "multicard", "train", *LEARN, f"out_dir={tmp_path}")
+    args = ["--standalone", "--nproc-per-node", "2", "-m", "multicard", "train", *LEARN, f"out_dir={tmp_path}"]
+    result = torchrun(*args)
     assert result.returncode == 0, result.stderr
     _check_run(tmp_path, world_size=2)
 

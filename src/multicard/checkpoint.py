@@ -43,7 +43,9 @@ def load(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=False)
     except Exception as exc:
-        raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}); it may be truncated or not a checkpoint") from None
+        raise UserError(
+            f"checkpoint {path} cannot be read ({type(exc).__name__}); it may be truncated or not a checkpoint"
+        ) from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise UserError(f"checkpoint {path} is not a multicard checkpoint (no model or config)")
     return state

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 from multicard import __version__, run
 from multicard.config import load_config
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> Optional[LaunchOptions]:
+def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
     if args.nproc_per_node is None:
         return None
     if env.launched:
@@ -101,7 +101,7 @@ def _eval(args: argparse.Namespace) -> int:
     return launch_workers(options, worker_argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "eval": _eval}[args.command](args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -25,7 +25,7 @@ LR_SCALING = ("none", "linear", "sqrt")
 @dataclass
 class DataConfig:
     name: str = "synthetic"  # synthetic (embedded, no download)
-    root: Optional[str] = None  # dataset directory, for datasets read from disk
+    root: str | None = None  # dataset directory, for datasets read from disk
     image_size: int = 32  # synthetic: side of the generated images
     train_size: int = 20000  # synthetic: number of training images
     val_size: int = 5000  # synthetic: number of validation images
@@ -113,7 +113,7 @@ def _one_line(exc: OmegaConfBaseException) -> str:
     return msg
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> DictConfig:
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Build the read-only config from defaults, an optional YAML file and overrides."""
     cfg = OmegaConf.structured(Config)
     if path is not None:
@@ -130,7 +130,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     return _finish(cfg, overrides)
 
 
-def config_from_dict(data: dict, overrides: Optional[list[str]] = None) -> DictConfig:
+def config_from_dict(data: dict, overrides: list[str] | None = None) -> DictConfig:
     """Rebuild a config saved in a checkpoint, then apply overrides."""
     return _finish(_merge(OmegaConf.structured(Config), OmegaConf.create(data)), overrides)
 
@@ -142,7 +142,7 @@ def _merge(base: DictConfig, other: DictConfig) -> DictConfig:
         raise UserError(f"bad config: {_one_line(exc)}") from None
 
 
-def _finish(cfg: DictConfig, overrides: Optional[list[str]]) -> DictConfig:
+def _finish(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
     for item in overrides or []:
         if "=" not in item:
             raise UserError(f"override '{item}' is not KEY=VALUE (for example train.epochs=5)")
@@ -204,7 +204,7 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
-def parse_devices(devices: Any) -> Optional[list[int]]:
+def parse_devices(devices: Any) -> list[int] | None:
     """None for CPU, [] for 'all GPUs present' (auto), else the listed GPU ids."""
     if isinstance(devices, str):
         if devices == "cpu":

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def _int(environ: Mapping[str, str], *names: str, default: Optional[int] = None) -> int:
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
     for name in names:
         if name in environ:
             try:
@@ -121,7 +121,7 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_gpus(requested: Optional[list[int]]) -> list[int]:
+def resolve_gpus(requested: list[int] | None) -> list[int]:
     """GPU ids to use: [] means CPU. `requested` follows config.parse_devices."""
     present = cuda_count()
     if requested is None:

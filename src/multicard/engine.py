@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -134,7 +135,7 @@ class Trainer:
         self.best_top1 = -1.0
         self.total_steps = total_steps(cfg, steps_per_epoch)
 
-    def fit(self) -> Optional[EvalResult]:
+    def fit(self) -> EvalResult | None:
         """Train to the end of the schedule, evaluating and checkpointing after each epoch."""
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         result = None
@@ -152,7 +153,8 @@ class Trainer:
         train_loss, train_top1, samples = self._train_epoch(epoch, steps)
         train_s = time.perf_counter() - start
         val = evaluate(self.bare, self.val_loader, self.strategy, self.cfg.model.channels_last)
-        peaks = [mb for rank_peaks in self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices)) for mb in rank_peaks]
+        per_rank = self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices))
+        peaks = [mb for rank_peaks in per_rank for mb in rank_peaks]
         epoch_s = time.perf_counter() - start
         record = {
             "epoch": epoch,
@@ -209,7 +211,7 @@ class Trainer:
                 loss_sum, correct, count = self._reduce_window(window)
                 elapsed = time.perf_counter() - window_start
                 window_start = time.perf_counter()
-                epoch_totals = [a + b for a, b in zip(epoch_totals, (loss_sum, correct, count))]
+                epoch_totals = [a + b for a, b in zip(epoch_totals, (loss_sum, correct, count), strict=True)]
                 self.reporter.record(
                     "step",
                     epoch=epoch,

@@ -6,7 +6,6 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -19,8 +18,8 @@ class LaunchOptions:
     nproc_per_node: int
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
+    master_addr: str | None = None
+    master_port: int | None = None
     max_restarts: int = 0
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -16,7 +16,7 @@ class Precision:
     device_type: str
 
     @property
-    def autocast_dtype(self) -> Optional[torch.dtype]:
+    def autocast_dtype(self) -> torch.dtype | None:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
 
     @property

@@ -6,7 +6,6 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -97,7 +96,7 @@ def _start(
     return ctx, make_strategy(strategy_name, ctx, precision, gpus)
 
 
-def train(cfg: DictConfig, env: dist.ProcessEnv) -> Optional[EvalResult]:
+def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
     """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
     strategy_name = resolve_strategy(cfg.strategy, env)
     out_dir = prepare_out_dir(cfg.out_dir)
@@ -123,7 +122,10 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> Optional[EvalResult]:
         )
         result = trainer.fit()
         if result is not None:
-            reporter.print(f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% ({result.samples} images)")
+            reporter.print(
+                f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "
+                f"({result.samples} images)"
+            )
         return result
     finally:
         reporter.close()

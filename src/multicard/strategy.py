@@ -7,8 +7,9 @@ what differs. The engine talks to the model and to the other ranks through a Str
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,6 @@ from omegaconf import DictConfig
 
 from multicard.dist import DistContext
 from multicard.precision import AutocastForward, Precision
-
 
 _DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -23,11 +23,11 @@ from rich.progress import (
 
 
 class Reporter:
-    def __init__(self, is_main: bool, rank: int, out_dir: Optional[Path]) -> None:
+    def __init__(self, is_main: bool, rank: int, out_dir: Path | None) -> None:
         self.is_main = is_main
         self.rank = rank
         self.console = Console(highlight=False, soft_wrap=True)
-        self._progress: Optional[Progress] = None
+        self._progress: Progress | None = None
         self._task: Any = None
         self._metrics = None
         if is_main and out_dir is not None:
@@ -69,7 +69,7 @@ class Reporter:
         self._progress.start()
         self._task = self._progress.add_task("train", total=total_steps, completed=done, status="")
 
-    def advance(self, epoch: int, status: Optional[str] = None) -> None:
+    def advance(self, epoch: int, status: str | None = None) -> None:
         if self._progress is not None:
             fields = {"status": status} if status is not None else {}
             self._progress.update(self._task, advance=1, description=f"epoch {epoch}", **fields)

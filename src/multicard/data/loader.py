@@ -6,8 +6,8 @@ Augmentation and normalisation run batched on the device, so the input pipeline 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 

@@ -9,8 +9,8 @@ batch is dropped, with a fresh permutation each epoch).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
