@@ -1,6 +1,9 @@
 """Real multi-process runs on CPU (gloo): parity with single-process training, exact eval."""
 
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +60,28 @@ def test_eval_is_exact_for_world_sizes_1_2_3(single_run):
         assert r["samples"] == 1001  # 1001 divides by neither 2 nor 3: nothing padded or dropped
         assert r["top1"] == results[0]["top1"] and r["top5"] == results[0]["top5"]
         assert r["loss"] == pytest.approx(results[0]["loss"], rel=1e-12)
+
+
+def test_two_nodes_on_loopback_equal_one_node(single_run, tmp_path):
+    """--nnodes 2 with one process per node (two launchers on this host) trains like ddp×2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "multicard", "train", "--nnodes", "2", "--node-rank", str(rank),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             *PARITY, f"out_dir={out}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "world_size=2" in outputs[0][0]
+    assert _max_rel_diff(_params(out), _params(single_run)) < 1e-10

@@ -50,13 +50,17 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
     """Run `python -m multicard <worker_argv>` in nproc_per_node workers; return the exit code."""
     addr = options.master_addr or "127.0.0.1"
     port = options.master_port or free_port()
+    multinode = options.nnodes > 1
     config = LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
         nproc_per_node=options.nproc_per_node,
-        run_id=f"multicard-{uuid.uuid4().hex[:8]}" if options.nnodes == 1 else f"multicard-{addr}-{port}",
-        rdzv_backend="c10d",
+        run_id=f"multicard-{addr}-{port}" if multinode else f"multicard-{uuid.uuid4().hex[:8]}",
+        # Several nodes: static rendezvous, as torchrun does with --node-rank, so node R holds
+        # ranks R*nproc .. R*nproc+nproc-1. One node: c10d on a private port (torchrun --standalone).
+        rdzv_backend="static" if multinode else "c10d",
         rdzv_endpoint=f"{addr}:{port}",
+        rdzv_configs={"rank": options.node_rank} if multinode else {},
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
     )
