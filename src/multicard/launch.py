@@ -7,6 +7,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -66,6 +67,10 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "multicard", *worker_argv)
+    except SignalException as exc:
+        # SIGINT/SIGTERM to the launcher: the agent has already stopped the workers.
+        print(f"multicard: stopped by {exc.sigval.name}; workers terminated", file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()  # the cause, not a worker the agent then stopped
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode

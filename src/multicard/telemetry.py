@@ -1,13 +1,12 @@
 """Rank-0 side effects: console, progress bar and metrics.jsonl.
 
 `Reporter` does its work on the main rank and nothing elsewhere, so the engine never checks
-ranks itself. Warnings go to stderr from every rank, prefixed with the rank.
+ranks itself. Errors are not routed here: every rank prints its own (see cli.main).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,6 @@ class Reporter:
     def print(self, message: str) -> None:
         if self.is_main:
             self.console.print(message)
-
-    def warn(self, message: str) -> None:
-        print(f"multicard: warning (rank {self.rank}): {message}", file=sys.stderr, flush=True)
 
     def write_text(self, path: Path, text: str) -> None:
         if self.is_main:
