@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import TINY, cli, load_checkpoint
+from conftest import TINY, cli, load_checkpoint, requires_2_gpus
 
 pytestmark = pytest.mark.distributed
 
@@ -85,3 +85,13 @@ def test_two_nodes_on_loopback_equal_one_node(single_run, tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "world_size=2" in outputs[0][0]
     assert _max_rel_diff(_params(out), _params(single_run)) < 1e-10
+
+
+@requires_2_gpus
+@pytest.mark.cuda
+def test_cuda_ddp2_nccl_equals_single_gpu(tmp_path):
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert cli("train", *PARITY, "devices=[0]", f"out_dir={single}").returncode == 0
+    result = cli("train", "--nproc-per-node", "2", *PARITY, "devices=[0,1]", f"out_dir={ddp}")
+    assert result.returncode == 0, result.stderr
+    assert _max_rel_diff(_params(ddp), _params(single)) < 1e-10
