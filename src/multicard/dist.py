@@ -149,11 +149,7 @@ def _threads(requested: int, local_world_size: int) -> int:
 def setup(env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, timeout_s: int) -> DistContext:
     """Pick this process's device, set thread count, and start the process group if asked."""
     if gpus:
-        if distributed and env.local_rank >= len(gpus):
-            raise UserError(
-                f"local rank {env.local_rank} has no GPU: {env.local_world_size} processes per node "
-                f"but {len(gpus)} GPU(s) listed; lower --nproc-per-node to {len(gpus)}"
-            )
+        # run.check_topology has made sure there is a GPU for every local rank.
         gpu = gpus[env.local_rank] if distributed else gpus[0]
         device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
