@@ -101,7 +101,7 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
     strategy_name = resolve_strategy(cfg.strategy, env)
     out_dir = prepare_out_dir(cfg.out_dir)
     ctx, strategy = _start(cfg, env, strategy_name, training=True)
-    reporter = Reporter(ctx.is_main, ctx.rank, out_dir)
+    reporter = Reporter(ctx.is_main, out_dir)
     try:
         reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
         plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)

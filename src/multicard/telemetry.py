@@ -22,9 +22,8 @@ from rich.progress import (
 
 
 class Reporter:
-    def __init__(self, is_main: bool, rank: int, out_dir: Path | None) -> None:
+    def __init__(self, is_main: bool, out_dir: Path | None) -> None:
         self.is_main = is_main
-        self.rank = rank
         self.console = Console(highlight=False, soft_wrap=True)
         self._progress: Progress | None = None
         self._task: Any = None

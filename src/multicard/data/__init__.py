@@ -21,7 +21,6 @@ class Data:
     train: TrainLoader | None
     val: EvalLoader
     num_classes: int
-    class_names: tuple[str, ...]
 
 
 def _synthetic(cfg: DictConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,5 +50,4 @@ def build_data(
         train=train,
         val=EvalLoader(val, d.eval_batch_size, rank, world_size),
         num_classes=d.num_classes,
-        class_names=CLASSES[: d.num_classes],
     )
