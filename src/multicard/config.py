@@ -20,18 +20,29 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
+DATASETS = ("synthetic", "cifar10", "imagefolder")
+LOADERS = ("auto", "device", "workers")
 
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic (embedded, no download)
-    root: str | None = None  # dataset directory, for datasets read from disk
-    image_size: int = 32  # synthetic: side of the generated images
+    name: str = "synthetic"  # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder
+    root: str | None = None  # dataset directory (cifar10, imagefolder)
+    download: bool = False  # cifar10: fetch it into root through torchvision when missing
+    val_root: str | None = None  # evaluate on this directory of class folders instead
+    val_fraction: float = 0.1  # imagefolder without val/: seeded share of train/ held out
+    split_seed: int = 0  # seed of that split; apart from `seed` so runs share one validation set
+    loader: str = "auto"  # auto | device (decoded once, batches made on the device) | workers
+    num_workers: int = -1  # workers loader: processes per rank; -1 = cores per rank, at most 8
+    cache_dir: str | None = None  # device loader's decoded-image cache; default ~/.cache/multicard
+    image_size: int = 32  # side of training images (generated, decoded or cropped)
+    eval_resize: int = 0  # large images: resize before the centre crop; 0 = image_size × 8/7
     train_size: int = 20000  # synthetic: number of training images
     val_size: int = 5000  # synthetic: number of validation images
-    num_classes: int = 10  # synthetic: 2..10
-    augment: bool = True  # random crop with padding + horizontal flip on training data
+    num_classes: int = 10  # synthetic: 2..10 (other datasets: the number of class folders)
+    augment: bool = True  # small images: random crop with padding + flip; large: random resized crop + flip
     crop_padding: int = 4
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # large images: area range
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
     eval_batch_size: int = 500  # per process
@@ -50,6 +61,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     global_batch_size: int = 256  # samples per optimizer step, across all devices and micro-steps
     grad_accum: int = 1  # micro-steps per optimizer step
+    label_smoothing: float = 0.0  # training loss only; evaluation reports plain cross-entropy
 
 
 @dataclass
@@ -61,6 +73,7 @@ class OptimConfig:
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 5e-4
+    decay_bias_and_norm: bool = False  # also decay 1-D parameters (biases, norm weights), as older recipes do
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
 
 
@@ -174,11 +187,24 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg.optim.name, "optim.name", OPTIMIZERS)
     _choice(cfg.optim.lr_scaling, "optim.lr_scaling", LR_SCALING)
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
+    _choice(cfg.data.name, "data.name", DATASETS)
+    _choice(cfg.data.loader, "data.loader", LOADERS)
+    if cfg.data.name != "synthetic" and not cfg.data.root:
+        raise UserError(f"data.name={cfg.data.name} reads files: set data.root=DIR")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
+    if cfg.data.num_workers < -1:
+        raise UserError(f"data.num_workers={cfg.data.num_workers} must be -1 (auto) or >= 0")
+    lo, hi = cfg.data.crop_scale if len(cfg.data.crop_scale) == 2 else (0, 0)
+    if not 0 < lo <= hi <= 1:
+        raise UserError("data.crop_scale needs 2 values with 0 < min <= max <= 1, e.g. [0.08,1.0]")
     parse_devices(cfg.devices)
     _positive(cfg.train.global_batch_size, "train.global_batch_size")
     _positive(cfg.train.grad_accum, "train.grad_accum")
     _positive(cfg.train.epochs, "train.epochs")
     _positive(cfg.train.max_steps, "train.max_steps", zero_ok=True)
+    if not 0 <= cfg.train.label_smoothing < 1:
+        raise UserError(f"train.label_smoothing={cfg.train.label_smoothing} must be in [0, 1)")
     _positive(cfg.optim.lr, "optim.lr")
     _positive(cfg.optim.base_batch_size, "optim.base_batch_size")
     _positive(cfg.optim.weight_decay, "optim.weight_decay", zero_ok=True)
@@ -193,6 +219,7 @@ def validate(cfg: DictConfig) -> None:
     _positive(cfg.data.val_size, "data.val_size")
     _positive(cfg.data.eval_batch_size, "data.eval_batch_size")
     _positive(cfg.data.crop_padding, "data.crop_padding", zero_ok=True)
+    _positive(cfg.data.eval_resize, "data.eval_resize", zero_ok=True)
     if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
         raise UserError("data.mean and data.std need 3 values each, std > 0")
     if len(cfg.optim.betas) != 2:

@@ -184,6 +184,7 @@ class Trainer:
         cfg, strategy, model = self.cfg, self.strategy, self.model
         accum = cfg.train.grad_accum
         channels_last = cfg.model.channels_last
+        smoothing = cfg.train.label_smoothing
         precision = strategy.precision
         model.train()
         self.train_loader.set_epoch(epoch)
@@ -198,7 +199,7 @@ class Trainer:
                 sync = micro == accum - 1
                 with nullcontext() if sync else strategy.no_sync(model):
                     logits = _logits_for_loss(model(x))
-                    loss = F.cross_entropy(logits, y)
+                    loss = F.cross_entropy(logits, y, label_smoothing=smoothing)
                     self.scaler.scale(loss / accum).backward()
                 with torch.no_grad():
                     window[0] += loss.detach() * y.numel()

@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 import torchvision
 
@@ -48,9 +49,49 @@ def smallcnn(num_classes: int, width: int = 32, norm: str = "batch") -> nn.Modul
     )
 
 
+class _Residual(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def fastnet(num_classes: int, widths: tuple[int, ...] = (32, 64, 128), head_scale: float = 0.125) -> nn.Module:
+    """A compact residual conv net for fast training on CIFAR-size images.
+
+    Each stage max-pools right after its first convolution, so its residual convolution runs
+    at the lower resolution, and the logits are scaled down (head_scale), which keeps training
+    stable at high learning rates.
+    """
+
+    def conv_bn(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.GELU()]
+
+    layers: list[nn.Module] = conv_bn(3, widths[0])
+    cin = widths[0]
+    for width in widths:
+        conv, *rest = conv_bn(cin, width)
+        layers += [conv, nn.MaxPool2d(2), *rest, _Residual(nn.Sequential(*conv_bn(width, width)))]
+        cin = width
+    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes, bias=False), _Scale(head_scale)]
+    return nn.Sequential(*layers)
+
+
 BUILTIN: dict[str, Callable[..., nn.Module]] = {
     "resnet18_cifar": resnet18_cifar,
     "smallcnn": smallcnn,
+    "fastnet": fastnet,
 }
 
 

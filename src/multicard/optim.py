@@ -15,18 +15,18 @@ def scaled_lr(cfg: DictConfig) -> float:
     return cfg.optim.lr * (cfg.train.global_batch_size / cfg.optim.base_batch_size) ** power
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and normalisation weights (1-D parameters)."""
+def _param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[dict]:
+    """No weight decay on biases and normalisation weights (1-D parameters) unless decay_1d."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (no_decay if p.ndim <= 1 else decay).append(p)
+            (no_decay if p.ndim <= 1 and not decay_1d else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
     o = cfg.optim
-    groups = _param_groups(model, o.weight_decay)
+    groups = _param_groups(model, o.weight_decay, o.decay_bias_and_norm)
     lr = scaled_lr(cfg)
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas))

@@ -105,11 +105,13 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
     try:
         reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
         plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
-        data = build_data(cfg, plan, ctx.rank, ctx.world_size, ctx.device)
+        data = build_data(
+            cfg, plan, ctx.rank, ctx.world_size, ctx.device, ctx.local_rank, ctx.local_world_size, strategy.barrier
+        )
         model = _build_model(cfg, data.num_classes)
         _seed_everything(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
         model = strategy.prepare(model, cfg)
-        steps_per_epoch = plan.steps_per_epoch(len(data.train.data))
+        steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
         optimizer = build_optimizer(strategy.unwrap(model), cfg)
         scheduler = build_scheduler(optimizer, cfg, total_steps(cfg, steps_per_epoch), steps_per_epoch)
         trainer = Trainer(
@@ -117,7 +119,8 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
         )
         reporter.print(
             f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
-            f"precision={cfg.precision} model={cfg.model.name} global_batch={plan.global_batch} "
+            f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={data.loader} "
+            f"global_batch={plan.global_batch} "
             f"(micro-batch {plan.micro_batch} × {ctx.world_size} process(es) × {plan.grad_accum} accum)"
         )
         result = trainer.fit()
@@ -139,7 +142,9 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, a
     strategy_name = "ddp" if env.launched else "single"
     ctx, strategy = _start(cfg, env, strategy_name, training=False)
     try:
-        data = build_data(cfg, None, ctx.rank, ctx.world_size, ctx.device)
+        data = build_data(
+            cfg, None, ctx.rank, ctx.world_size, ctx.device, ctx.local_rank, ctx.local_world_size, strategy.barrier
+        )
         model = _build_model(cfg, data.num_classes)
         checkpoint.load_model_state(model, state["model"], path)
         model = model.to(ctx.device, dtype=strategy.precision.param_dtype)

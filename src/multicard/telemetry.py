@@ -7,6 +7,7 @@ ranks itself. Errors are not routed here: every rank prints its own (see cli.mai
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+REFRESH_S = 0.5  # progress bar redraw interval
+
 
 class Reporter:
     def __init__(self, is_main: bool, out_dir: Path | None) -> None:
@@ -27,6 +30,7 @@ class Reporter:
         self.console = Console(highlight=False, soft_wrap=True)
         self._progress: Progress | None = None
         self._task: Any = None
+        self._last_refresh = 0.0
         self._metrics = None
         if is_main and out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -60,14 +64,20 @@ class Reporter:
             TimeRemainingColumn(),
             console=self.console,
             transient=False,
+            auto_refresh=False,  # a refresh thread would steal CPU from training; see advance()
         )
         self._progress.start()
         self._task = self._progress.add_task("train", total=total_steps, completed=done, status="")
+        self._last_refresh = time.monotonic()
 
     def advance(self, epoch: int, status: str | None = None) -> None:
         if self._progress is not None:
             fields = {"status": status} if status is not None else {}
             self._progress.update(self._task, advance=1, description=f"epoch {epoch}", **fields)
+            now = time.monotonic()
+            if now - self._last_refresh >= REFRESH_S:
+                self._last_refresh = now
+                self._progress.refresh()
 
     def stop_progress(self) -> None:
         if self._progress is not None:

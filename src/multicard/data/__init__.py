@@ -2,52 +2,146 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from multicard.data.loader import Augment, EvalLoader, TensorImages, TrainLoader
+from multicard.data.decode import decoded, default_cache_dir, fit_square
+from multicard.data.device import Augment, DeviceBatches, DeviceEvalLoader, DeviceTrainLoader, TensorImages
 from multicard.data.sampling import BatchPlan, ShardedBatchSampler
+from multicard.data.sources import (
+    Files,
+    InMemory,
+    Source,
+    Splits,
+    check_same_classes,
+    cifar10,
+    image_folder,
+    scan_folder,
+)
 from multicard.data.synthetic import CLASSES, make_synthetic
+from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
+from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
 from multicard.errors import UserError
 
-DATASETS = ("synthetic",)
-VAL_SEED_OFFSET = 7919  # the validation set is drawn from a stream apart from training's
+VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
+MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory
 
 
 @dataclass
 class Data:
-    train: TrainLoader | None
-    val: EvalLoader
+    train: DeviceTrainLoader | WorkerTrainLoader | None
+    val: DeviceEvalLoader | WorkerEvalLoader
     num_classes: int
+    loader: str  # device | workers
 
 
-def _synthetic(cfg: DictConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+def read_splits(cfg: DictConfig) -> Splits:
+    """Training and validation sources named by the config (nothing decoded yet for folders)."""
     d = cfg.data
-    if not 2 <= d.num_classes <= len(CLASSES):
-        raise UserError(f"data.num_classes={d.num_classes} must be in 2..{len(CLASSES)} for synthetic data")
-    if split == "train":
-        return make_synthetic(d.train_size, d.image_size, cfg.seed, d.num_classes)
-    return make_synthetic(d.val_size, d.image_size, cfg.seed + VAL_SEED_OFFSET, d.num_classes)
+    if d.name == "synthetic":
+        if not 2 <= d.num_classes <= len(CLASSES):
+            raise UserError(f"data.num_classes={d.num_classes} must be in 2..{len(CLASSES)} for synthetic data")
+        train = InMemory(*make_synthetic(d.train_size, d.image_size, cfg.seed, d.num_classes))
+        val = InMemory(*make_synthetic(d.val_size, d.image_size, cfg.seed + VAL_SEED_OFFSET, d.num_classes))
+        splits = Splits(train, val, list(CLASSES[: d.num_classes]))
+    elif d.name == "cifar10":
+        splits = cifar10(Path(d.root), d.download)
+    else:
+        splits = image_folder(Path(d.root), d.val_fraction, d.split_seed)
+    if d.val_root:
+        val, classes = scan_folder(Path(d.val_root), "data.val_root")
+        check_same_classes(splits.classes, classes, Path(d.val_root))
+        splits = Splits(splits.train, val, splits.classes)
+    return splits
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def choose_loader(cfg: DictConfig, splits: Splits, device: torch.device, local_world_size: int) -> str:
+    """auto: the device loader when images are small and the decoded set fits a share of memory."""
+    d = cfg.data
+    if d.loader == "device" and not is_small(d.image_size):
+        raise UserError(
+            f"data.loader=device keeps images of up to 64 px decoded; data.image_size={d.image_size} "
+            f"needs data.loader=workers (or auto)"
+        )
+    if d.loader != "auto":
+        return d.loader
+    if not is_small(d.image_size):
+        return "workers"
+    needed = (len(splits.train) + len(splits.val)) * 3 * d.image_size**2
+    if device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_world_size
+    return "device" if needed * MEMORY_SHARE <= budget else "workers"
+
+
+def _in_memory(source: Source, size: int, cache_dir: Path | None, write: bool, role: str) -> InMemory:
+    if isinstance(source, Files):
+        return decoded(source, size, cache_dir, write, role)
+    if source.images.shape[-2:] != (size, size):
+        return InMemory(fit_square(source.images, size), source.labels)
+    return source
 
 
 def build_data(
-    cfg: DictConfig, plan: BatchPlan | None, rank: int, world_size: int, device: torch.device
+    cfg: DictConfig,
+    plan: BatchPlan | None,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    local_rank: int = 0,
+    local_world_size: int = 1,
+    barrier: Callable[[], None] = lambda: None,
 ) -> Data:
-    """Training (when `plan` is given) and validation loaders for this rank."""
-    if cfg.data.name not in DATASETS:
-        raise UserError(f"data.name={cfg.data.name} is not one of {', '.join(DATASETS)}")
+    """Training (when `plan` is given) and validation loaders for this rank.
+
+    The device loader decodes image files once per machine: local rank 0 decodes (or reads the
+    cache) and fills the cache, the other ranks wait at `barrier`, then read the cache.
+    """
     d = cfg.data
-    val = TensorImages(*_synthetic(cfg, "val"), d.mean, d.std, device)
+    splits = read_splits(cfg)
+    kind = choose_loader(cfg, splits, device, local_world_size)
+    small = is_small(d.image_size)
+    augment = Augment(d.crop_padding, flip=True) if d.augment and small else None
+    train_finish = DeviceBatches(d.mean, d.std, device, augment, cfg.seed)
+    eval_finish = DeviceBatches(d.mean, d.std, device, None, cfg.seed)
+    sampler = ShardedBatchSampler(len(splits.train), plan, rank, cfg.seed) if plan is not None else None
+
+    if kind == "device":
+        cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+        parts = {"val": splits.val} if plan is None else {"train": splits.train, "val": splits.val}
+        any_files = any(isinstance(s, Files) for s in parts.values())
+        if any_files and local_rank != 0:
+            barrier()  # wait for local rank 0 to fill the cache
+        arrays = {
+            role: _in_memory(src, d.image_size, cache_dir, local_rank == 0, role) for role, src in parts.items()
+        }
+        if any_files and local_rank == 0:
+            barrier()
+        val = DeviceEvalLoader(TensorImages(arrays["val"], device), d.eval_batch_size, rank, world_size, eval_finish)
+        train = None
+        if sampler is not None:
+            train = DeviceTrainLoader(TensorImages(arrays["train"], device), sampler, train_finish)
+        return Data(train, val, len(splits.classes), kind)
+
+    workers = d.num_workers if d.num_workers >= 0 else max(1, min(8, cpu_cores() // local_world_size))
+    eval_resize = d.eval_resize or round(d.image_size * 8 / 7)
+    eval_tf = FitSquare(d.image_size) if small else FitSquare(d.image_size, eval_resize)
+    if small or not d.augment:
+        train_tf = eval_tf
+    else:
+        train_tf = RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=cfg.seed)
+    val = WorkerEvalLoader(splits.val, eval_tf, d.eval_batch_size, rank, world_size, eval_finish, workers, cfg.seed)
     train = None
-    if plan is not None:
-        images = TensorImages(*_synthetic(cfg, "train"), d.mean, d.std, device)
-        sampler = ShardedBatchSampler(len(images), plan, rank, cfg.seed)
-        augment = Augment(d.crop_padding, flip=True) if d.augment else None
-        train = TrainLoader(images, sampler, augment, cfg.seed)
-    return Data(
-        train=train,
-        val=EvalLoader(val, d.eval_batch_size, rank, world_size),
-        num_classes=d.num_classes,
-    )
+    if sampler is not None:
+        train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, cfg.seed, rank)
+    return Data(train, val, len(splits.classes), kind)

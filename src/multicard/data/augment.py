@@ -34,21 +34,22 @@ def crop_flip(
     """Random crop after zero padding, and a horizontal flip with probability 1/2.
 
     `images` is uint8 (N, C, H, W) on any device; `indices` (on CPU) are the dataset indices.
+    The crop and the flip are one pair of gathers (rows, then columns read in either order),
+    which is several times faster than advanced indexing.
     """
-    n, _, h, w = images.shape
+    if not padding and not flip:
+        return images
+    n, c, h, w = images.shape
     device = images.device
-    out = images
-    if padding:
-        span = 2 * padding + 1
-        oy = torch.from_numpy((sample_random(seed, epoch, indices, 1) % span).astype(np.int64))
-        ox = torch.from_numpy((sample_random(seed, epoch, indices, 2) % span).astype(np.int64))
-        padded = torch.nn.functional.pad(images, (padding, padding, padding, padding))
-        rows = (oy.view(n, 1) + torch.arange(h)).to(device)
-        cols = (ox.view(n, 1) + torch.arange(w)).to(device)
-        batch = torch.arange(n, device=device).view(n, 1, 1, 1)
-        chan = torch.arange(images.shape[1], device=device).view(1, -1, 1, 1)
-        out = padded[batch, chan, rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
+    span = 2 * padding + 1
+    oy = torch.from_numpy((sample_random(seed, epoch, indices, 1) % span).astype(np.int64))
+    ox = torch.from_numpy((sample_random(seed, epoch, indices, 2) % span).astype(np.int64))
+    cols = torch.arange(w).view(1, w).expand(n, w)
     if flip:
         flips = torch.from_numpy((sample_random(seed, epoch, indices, 3) & np.uint64(1)).astype(bool))
-        out = torch.where(flips.to(device).view(n, 1, 1, 1), out.flip(3), out)
-    return out
+        cols = torch.where(flips.view(n, 1), w - 1 - cols, cols)
+    cols = (cols + ox.view(n, 1)).to(device)
+    rows = (oy.view(n, 1) + torch.arange(h)).to(device)
+    padded = torch.nn.functional.pad(images, (padding,) * 4) if padding else images
+    out = padded.gather(2, rows.view(n, 1, h, 1).expand(n, c, h, w + 2 * padding))
+    return out.gather(3, cols.view(n, 1, 1, w).expand(n, c, h, w))

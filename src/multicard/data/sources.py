@@ -1,0 +1,160 @@
+"""Where images come from: in-memory arrays or lists of image files, with their labels.
+
+A source is either `InMemory` (uint8 N×3×H×W already decoded: synthetic, CIFAR-10 batches)
+or `Files` (paths to decode: image folders). Loaders accept both; this module only finds,
+reads and splits them, and turns bad layouts into one-line errors.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+from multicard.errors import UserError
+
+CIFAR_DIR = "cifar-10-batches-py"
+CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR_TEST = "test_batch"
+
+
+@dataclass
+class InMemory:
+    images: torch.Tensor  # uint8 (N, 3, H, W)
+    labels: torch.Tensor  # int64 (N,)
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+    def subset(self, indices: torch.Tensor) -> InMemory:
+        return InMemory(self.images[indices], self.labels[indices])
+
+
+@dataclass
+class Files:
+    root: Path  # paths are relative to it (that keeps cache keys movable)
+    paths: list[str]
+    labels: torch.Tensor  # int64 (N,)
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+    def subset(self, indices: torch.Tensor) -> Files:
+        return Files(self.root, [self.paths[i] for i in indices.tolist()], self.labels[indices])
+
+
+Source = InMemory | Files
+
+
+@dataclass
+class Splits:
+    train: Source
+    val: Source
+    classes: list[str]
+
+
+def seeded_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, val indices), both sorted; a pure function of (n, fraction, seed)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, round(n * fraction))
+    return perm[n_val:].sort().values, perm[:n_val].sort().values
+
+
+# ---------------------------------------------------------------- image folders
+
+
+def scan_folder(directory: Path, what: str) -> tuple[Files, list[str]]:
+    """All images under directory/<class>/..., classes sorted by name."""
+    if not directory.is_dir():
+        raise UserError(f"{what} {directory} is not a directory; expected {directory}/<class>/<image files>")
+    try:
+        classes, class_to_idx = find_classes(str(directory))
+        samples = make_dataset(str(directory), class_to_idx, extensions=IMG_EXTENSIONS)
+    except (FileNotFoundError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0]
+        raise UserError(f"{what} {directory}: {first}; expected {directory}/<class>/<image files>") from None
+    if not samples:
+        raise UserError(f"{what} {directory} holds no images; expected {directory}/<class>/<image files>")
+    paths = [str(Path(p).relative_to(directory)) for p, _ in samples]
+    labels = torch.tensor([y for _, y in samples], dtype=torch.int64)
+    return Files(directory, paths, labels), classes
+
+
+def image_folder(root: Path, val_fraction: float, split_seed: int) -> Splits:
+    """root/train/<class>/... and root/val/<class>/... (or a seeded split of train)."""
+    if not (root / "train").is_dir():
+        raise UserError(
+            f"data.root={root} has no train/ directory; expected {root}/train/<class>/<image files> "
+            f"(and optionally {root}/val/<class>/...)"
+        )
+    train, classes = scan_folder(root / "train", "data.root")
+    if (root / "val").is_dir():
+        val, val_classes = scan_folder(root / "val", "data.root")
+        check_same_classes(classes, val_classes, root / "val")
+        return Splits(train, val, classes)
+    train_idx, val_idx = seeded_split(len(train), val_fraction, split_seed)
+    return Splits(train.subset(train_idx), train.subset(val_idx), classes)
+
+
+def check_same_classes(train: list[str], val: list[str], val_dir: Path) -> None:
+    if train != val:
+        missing = sorted(set(train) ^ set(val))[:3]
+        raise UserError(
+            f"{val_dir} has {len(val)} classes that differ from training's {len(train)} "
+            f"(e.g. {', '.join(missing)}); give it the same class folders"
+        )
+
+
+# ---------------------------------------------------------------- CIFAR-10 batches
+
+
+def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = f"expected {path.parent}/ with {', '.join(CIFAR_TRAIN)}, {CIFAR_TEST}, batches.meta"
+    if not path.is_file():
+        raise UserError(f"CIFAR-10 file {path} is missing; {layout} (or set data.download=true)")
+    try:
+        with path.open("rb") as f:
+            entry = pickle.load(f, encoding="bytes")  # the format is Python pickles of numpy arrays
+        data = np.asarray(entry[b"data"], dtype=np.uint8)
+        labels = torch.tensor(entry[b"labels"], dtype=torch.int64)
+        images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+    except Exception as exc:
+        raise UserError(f"CIFAR-10 file {path} is corrupt ({type(exc).__name__}); {layout}") from None
+    if images.shape[0] != labels.numel() or labels.min() < 0 or labels.max() > 9:
+        raise UserError(f"CIFAR-10 file {path} is corrupt (images and labels disagree); {layout}")
+    return images, labels
+
+
+def cifar10(root: Path, download: bool) -> Splits:
+    """The python-pickle CIFAR-10 layout torchvision downloads: train = data_batch_1..5, val = test_batch."""
+    base = root / CIFAR_DIR
+    if download and not base.is_dir():
+        _download_cifar10(root)
+    parts = [_read_cifar_batch(base / name) for name in CIFAR_TRAIN]
+    train = InMemory(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    val = InMemory(*_read_cifar_batch(base / CIFAR_TEST))
+    meta = base / "batches.meta"
+    classes = [str(i) for i in range(10)]
+    if meta.is_file():
+        try:
+            with meta.open("rb") as f:
+                classes = [n.decode() for n in pickle.load(f, encoding="bytes")[b"label_names"]]
+        except Exception:
+            raise UserError(f"CIFAR-10 file {meta} is corrupt; delete it or restore it") from None
+    return Splits(train, val, classes)
+
+
+def _download_cifar10(root: Path) -> None:
+    from torchvision.datasets import CIFAR10  # only needed for the download
+
+    try:
+        CIFAR10(str(root), train=True, download=True)
+    except Exception as exc:
+        raise UserError(
+            f"downloading CIFAR-10 into {root} failed ({str(exc).splitlines()[0]}); "
+            f"check the network or place {CIFAR_DIR}/ there yourself"
+        ) from None

@@ -1,0 +1,157 @@
+"""The workers loader: torch DataLoader processes decode and transform images per sample.
+
+For datasets too large for memory or images too large to keep decoded. Batches follow the
+same `ShardedBatchSampler` as the device loader, and each sample's randomness is keyed by
+(seed, epoch, index), so batches depend neither on the world size nor on the worker count.
+Workers hand over uint8 tensors (4× less to copy than floats); normalisation, and the
+small-image crop/flip, run on the training device in `DeviceBatches`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from multicard.data.augment import sample_random
+from multicard.data.decode import read_image
+from multicard.data.device import DeviceBatches
+from multicard.data.sampling import ShardedBatchSampler, eval_shard
+from multicard.data.sources import Files, Source
+from multicard.errors import UserError
+
+Transform = Callable[[torch.Tensor, int, int], torch.Tensor]  # (uint8 image, epoch, index) → image
+
+
+class SourceImages(Dataset):
+    """(epoch, index) → (transformed uint8 image, label, index)."""
+
+    def __init__(self, source: Source, transform: Transform) -> None:
+        self.source = source
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        epoch, index = key
+        src = self.source
+        image = read_image(src.root / src.paths[index]) if isinstance(src, Files) else src.images[index]
+        return self.transform(image, epoch, index), src.labels[index], index
+
+
+class _EpochKeys:
+    """Batch sampler adapter: each index travels with its epoch, which keys its randomness."""
+
+    def __init__(self, sampler: ShardedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for indices in self.sampler:
+            yield [(self.sampler.epoch, i) for i in indices.tolist()]
+
+
+class _EvalKeys:
+    def __init__(self, shard: range, batch_size: int) -> None:
+        self.batches = [range(s, min(s + batch_size, shard.stop)) for s in range(shard.start, shard.stop, batch_size)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for batch in self.batches:
+            yield [(0, i) for i in batch]
+
+
+def _seed_worker(seed: int, rank: int, worker_id: int) -> None:
+    """Distinct, reproducible streams per (seed, rank, worker) for any library-level randomness."""
+    key = int(sample_random(seed, rank, torch.tensor([worker_id]), stream=5)[0])
+    torch.manual_seed(key)
+    random.seed(key)
+    np.random.seed(key % 2**32)
+
+
+def _one_line_worker_error(exc: UserError) -> UserError:
+    # DataLoader re-raises a worker's exception with the worker's traceback in its message.
+    last = str(exc).strip().splitlines()[-1]
+    return UserError(last.split("UserError: ", 1)[-1])
+
+
+def _data_loader(dataset: SourceImages, batch_sampler, num_workers: int, device: torch.device, seed: int, rank: int):
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        worker_init_fn=partial(_seed_worker, seed, rank) if num_workers > 0 else None,
+    )
+
+
+def _batches(loader: DataLoader, finish: DeviceBatches, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    try:
+        for x, y, indices in loader:
+            yield finish(x, y, indices, epoch)
+    except UserError as exc:
+        raise _one_line_worker_error(exc) from None
+
+
+class WorkerTrainLoader:
+    """Yields (x, y) micro-batches of this rank for one epoch; call set_epoch first."""
+
+    def __init__(
+        self,
+        source: Source,
+        transform: Transform,
+        sampler: ShardedBatchSampler,
+        finish: DeviceBatches,
+        num_workers: int,
+        seed: int,
+        rank: int,
+    ) -> None:
+        self.sampler = sampler
+        self.finish = finish
+        self.dataset = SourceImages(source, transform)
+        self.loader = _data_loader(self.dataset, _EpochKeys(sampler), num_workers, finish.device, seed, rank)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_step)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return _batches(self.loader, self.finish, self.sampler.epoch)
+
+
+class WorkerEvalLoader:
+    """Yields (x, y) batches of this rank's share of the evaluation set, each sample once."""
+
+    def __init__(
+        self,
+        source: Source,
+        transform: Transform,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        finish: DeviceBatches,
+        num_workers: int,
+        seed: int,
+    ) -> None:
+        self.finish = finish
+        keys = _EvalKeys(eval_shard(len(source), rank, world_size), batch_size)
+        self.loader = _data_loader(SourceImages(source, transform), keys, num_workers, finish.device, seed, rank)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return _batches(self.loader, self.finish, 0)
