@@ -1,8 +1,10 @@
-"""Reproduce the classic CIFAR-10 table and time multicard against the plain yardstick.
+"""Reproduce the classic CIFAR-10 table, time multicard against the plain yardstick, and run
+the fast recipe against the seed recipe's wall time — all in one run on one machine.
 
-One run, same machine: the plain script (bench/plain_cifar10.py), then multicard's
-configs/seed_cifar10.yaml in one process and with --nproc-per-node 2. Prints train top-1 per
-epoch beside the reference table, median epoch times and their ratio; writes summary.json.
+Runs, in order: the plain script (bench/plain_cifar10.py); configs/seed_cifar10.yaml in one
+process, again in exact fp32 maths, and with --nproc-per-node 2; configs/cifar10_fast.yaml.
+Prints train top-1 per epoch beside the reference table, median epoch times and their ratio
+to the plain script, wall times; writes summary.json.
 
     python bench/seed_cifar10.py --root ../shared/data/cifar10 --out runs/bench-seed
 """
@@ -19,20 +21,30 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+CONFIGS = HERE.parent / "configs"
 REFERENCE = [38.8, 50.4, 57.1, 61.4, 64.3]  # plain script of this recipe on our 2-core machines
 
+# name → (config, launch flags, overrides); None config = the plain script
+RUNS = {
+    "plain": (None, [], []),
+    "multicard single": ("seed_cifar10.yaml", [], []),
+    "multicard single fp32": ("seed_cifar10.yaml", [], ["precision=fp32", "model.channels_last=false"]),
+    "multicard ddp×2": ("seed_cifar10.yaml", ["--nproc-per-node", "2"], []),
+    "cifar10_fast": ("cifar10_fast.yaml", [], []),
+}
 
-def run_plain(root: str, epochs: int) -> list[dict]:
-    cmd = [sys.executable, str(HERE / "plain_cifar10.py"), "--root", root, "--epochs", str(epochs)]
+
+def run_plain(root: str) -> list[dict]:
+    cmd = [sys.executable, str(HERE / "plain_cifar10.py"), "--root", root, "--epochs", "5"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def run_multicard(root: str, epochs: int, out_dir: Path, launch: list[str]) -> list[dict]:
+def run_multicard(root: str, config: str, launch: list[str], overrides: list[str], out_dir: Path) -> list[dict]:
     shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, not a continuation
     cmd = [
-        sys.executable, "-m", "multicard", "train", "--config", str(HERE.parent / "configs/seed_cifar10.yaml"),
-        *launch, f"data.root={root}", f"train.epochs={epochs}", f"out_dir={out_dir}",
+        sys.executable, "-m", "multicard", "train", "--config", str(CONFIGS / config), *launch,
+        f"data.root={root}", f"out_dir={out_dir}", *overrides,
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -46,45 +58,58 @@ def run_multicard(root: str, epochs: int, out_dir: Path, launch: list[str]) -> l
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default="../shared/data/cifar10")
-    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--out", default="runs/bench-seed")
+    p.add_argument("--only", nargs="*", choices=list(RUNS), help="a subset of the runs")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    runs: dict[str, list[dict]] = {}
-    walls: dict[str, float] = {}
-    for name, launch in [("plain", None), ("multicard single", []), ("multicard ddp×2", ["--nproc-per-node", "2"])]:
+    results: dict[str, dict] = {}
+    for name, (config, launch, overrides) in RUNS.items():
+        if args.only and name not in args.only:
+            continue
         start = time.perf_counter()
-        if launch is None:
-            runs[name] = run_plain(args.root, args.epochs)
+        if config is None:
+            records = run_plain(args.root)
         else:
-            runs[name] = run_multicard(args.root, args.epochs, out / name.replace(" ", "-"), launch)
-        walls[name] = time.perf_counter() - start
-        print(f"{name}: {walls[name]:.0f} s", flush=True)
+            records = run_multicard(args.root, config, launch, overrides, out / name.replace(" ", "-"))
+        results[name] = {"records": records, "wall_s": time.perf_counter() - start}
+        print(f"{name}: {results[name]['wall_s']:.0f} s", flush=True)
 
-    print("\ntrain top-1 % per epoch (reference: " + " / ".join(map(str, REFERENCE[: args.epochs])) + ")")
-    summary = {"reference_train_top1": REFERENCE[: args.epochs], "runs": {}}
-    plain_median = statistics.median(r["epoch_s"] for r in runs["plain"])
-    for name, records in runs.items():
+    print("\ntrain top-1 % per epoch (reference: " + " / ".join(map(str, REFERENCE)) + ")")
+    plain = results.get("plain")
+    plain_median = statistics.median(r["epoch_s"] for r in plain["records"]) if plain else None
+    summary = {"reference_train_top1": REFERENCE, "runs": {}}
+    for name, result in results.items():
+        records = result["records"]
         top1 = [round(r["train_top1"], 1) for r in records]
         times = [r["epoch_s"] for r in records]
-        worst = max(abs(a - b) for a, b in zip(top1, REFERENCE, strict=False))
         median = statistics.median(times)
-        summary["runs"][name] = {
+        row = {
             "train_top1": top1,
             "val_top1": [round(r["val_top1"], 2) for r in records],
             "epoch_s": [round(t, 1) for t in times],
             "epoch_s_median": round(median, 1),
-            "epoch_s_range": [round(min(times), 1), round(max(times), 1)],
-            "ratio_to_plain": round(median / plain_median, 3),
-            "max_abs_diff_to_reference": round(worst, 2),
-            "wall_s": round(walls[name], 1),
+            "wall_s": round(result["wall_s"], 1),
         }
+        line = f"{name:22s} " + " / ".join(f"{t:.1f}" for t in top1)
+        if name != "cifar10_fast":
+            worst = max(abs(a - b) for a, b in zip(top1, REFERENCE, strict=True))
+            row["max_abs_diff_to_reference"] = round(worst, 2)
+            line += f"  (max |Δ| {row['max_abs_diff_to_reference']:.1f})"
+        if plain_median:
+            row["epoch_ratio_to_plain"] = round(median / plain_median, 3)
+            spread = f"[{min(times):.1f}–{max(times):.1f}]"
+            line += f"  epoch {median:.1f} s {spread} × plain {row['epoch_ratio_to_plain']:.3f}"
+        line += f"  val {records[-1]['val_top1']:.2f}%  wall {result['wall_s']:.0f} s"
+        summary["runs"][name] = row
+        print(line)
+    if "cifar10_fast" in results and "multicard single" in results:
+        fast, seed = results["cifar10_fast"], results["multicard single"]
+        summary["fast_wall_over_seed_wall"] = round(fast["wall_s"] / seed["wall_s"], 3)
         print(
-            f"{name:18s} {' / '.join(f'{t:.1f}' for t in top1)}  (max |Δ| {worst:.1f})  "
-            f"val {records[-1]['val_top1']:.2f}%  epoch {median:.1f} s [{min(times):.1f}–{max(times):.1f}]  "
-            f"× plain {median / plain_median:.3f}"
+            f"\ncifar10_fast: val {fast['records'][-1]['val_top1']:.2f}% in {fast['wall_s']:.0f} s; "
+            f"seed recipe wall {seed['wall_s']:.0f} s (ratio {summary['fast_wall_over_seed_wall']:.2f})"
         )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 

@@ -57,3 +57,61 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, Any], path: s
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
         raise UserError(f"checkpoint {path} does not fit this model: {first}") from None
+
+
+# ---------------------------------------------------------------- a run's checkpoint folder
+
+STEP_PREFIX = "step-"
+
+
+def step_path(folder: Path, step: int) -> Path:
+    return folder / f"{STEP_PREFIX}{step:09d}.pt"
+
+
+def step_files(folder: Path) -> list[Path]:
+    """This run's step checkpoints, newest first."""
+    files = [p for p in folder.glob(f"{STEP_PREFIX}*.pt") if p.stem[len(STEP_PREFIX) :].isdigit()]
+    return sorted(files, key=lambda p: int(p.stem[len(STEP_PREFIX) :]), reverse=True)
+
+
+def link_atomic(target: Path, name: Path) -> None:
+    """Point `name` at the same file as `target` (a hard link, so no copy), atomically."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name.name}.", suffix=".tmp", dir=name.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        os.link(target, tmp)
+    except OSError:  # file systems without hard links: copy
+        with open(target, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(src.read())
+            dst.flush()
+            os.fsync(dst.fileno())
+    os.replace(tmp, name)
+
+
+def save_step(state: dict[str, Any], folder: Path, step: int, keep_last: int, best: bool) -> Path:
+    """Write step-N.pt atomically, point last.pt (and best.pt) at it, drop all but the newest K."""
+    path = step_path(folder, step)
+    save_atomic(state, path)
+    link_atomic(path, folder / "last.pt")
+    if best:
+        link_atomic(path, folder / "best.pt")
+    for old in step_files(folder)[keep_last:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def newest_valid(folder: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """The newest step checkpoint that loads, and one line per damaged newer one skipped."""
+    skipped = []
+    for path in step_files(folder):
+        try:
+            state = load(path)
+        except UserError as exc:
+            skipped.append(str(exc))
+            continue
+        if "resume" not in state:
+            skipped.append(f"checkpoint {path} has no resume state")
+            continue
+        return path, state, skipped
+    return None, None, skipped

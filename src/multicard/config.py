@@ -62,6 +62,7 @@ class TrainConfig:
     global_batch_size: int = 256  # samples per optimizer step, across all devices and micro-steps
     grad_accum: int = 1  # micro-steps per optimizer step
     label_smoothing: float = 0.0  # training loss only; evaluation reports plain cross-entropy
+    resume: str = "auto"  # auto: continue from out_dir's newest valid checkpoint | never | PATH
 
 
 @dataclass
@@ -96,6 +97,12 @@ class DDPConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # also save inside epochs, every this many optimizer steps; 0 = epoch ends only
+    keep_last: int = 3  # step checkpoints kept (best.pt and last.pt are kept besides)
+
+
+@dataclass
 class Config:
     strategy: str = "auto"  # auto: ddp when launched with several processes, else single
     devices: Any = "auto"  # auto | cpu | list of GPU ids, e.g. [0,1]
@@ -113,6 +120,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def _one_line(exc: OmegaConfBaseException) -> str:
@@ -212,6 +220,8 @@ def validate(cfg: DictConfig) -> None:
     _positive(cfg.sched.step_epochs, "sched.step_epochs")
     _positive(cfg.clip_grad_norm, "clip_grad_norm", zero_ok=True)
     _positive(cfg.log_every, "log_every")
+    _positive(cfg.checkpoint.every_steps, "checkpoint.every_steps", zero_ok=True)
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _positive(cfg.threads, "threads", zero_ok=True)
     _positive(cfg.dist_timeout_s, "dist_timeout_s")
     _positive(cfg.data.image_size, "data.image_size")

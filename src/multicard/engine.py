@@ -8,14 +8,17 @@ values already reduced across ranks, so all ranks decide alike.
 from __future__ import annotations
 
 import math
+import random
 import resource
+import signal
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,6 +28,7 @@ from multicard import checkpoint
 from multicard.config import to_dict
 from multicard.errors import TrainingDiverged
 from multicard.precision import Precision
+from multicard.stopping import GracefulStop, Stopped
 from multicard.strategy import Strategy
 from multicard.telemetry import Reporter
 
@@ -103,6 +107,34 @@ def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
+@dataclass
+class Position:
+    """Where a run stands; saved in every checkpoint so a resumed run continues exactly."""
+
+    epoch: int = 0  # the epoch in progress (or the next one, at an epoch boundary)
+    step_in_epoch: int = 0  # optimizer steps of `epoch` already done
+    global_step: int = 0
+    best_top1: float = -1.0
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, count
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
 class Trainer:
     """Owns the model, optimizer, schedule and scaler for one run."""
 
@@ -118,6 +150,7 @@ class Trainer:
         steps_per_epoch: int,
         reporter: Reporter,
         out_dir: Path,
+        stop: GracefulStop | None = None,
     ) -> None:
         self.cfg = cfg
         self.strategy = strategy
@@ -131,18 +164,38 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch
         self.reporter = reporter
         self.ckpt_dir = out_dir / "checkpoints"
-        self.global_step = 0
-        self.best_top1 = -1.0
+        self.pos = Position()
         self.total_steps = total_steps(cfg, steps_per_epoch)
+        self.stop = stop
+
+    # ------------------------------------------------------------ resume
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint (of any strategy and world size with this global batch)."""
+        self.bare.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        resume = state["resume"]
+        self.pos = Position(**resume["position"])
+        rngs = resume["rng"]
+        # Same world size: each rank continues its own streams; otherwise rank 0's seed them all.
+        set_rng_state(rngs[self.strategy.ctx.rank] if len(rngs) == self.strategy.ctx.world_size else rngs[0])
+
+    @property
+    def finished(self) -> bool:
+        return self.pos.global_step >= self.total_steps
+
+    # ------------------------------------------------------------ training
 
     def fit(self) -> EvalResult | None:
         """Train to the end of the schedule, evaluating and checkpointing after each epoch."""
         epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         result = None
-        self.reporter.start_progress(self.total_steps, done=self.global_step)
+        self.reporter.start_progress(self.total_steps, done=self.pos.global_step)
         try:
-            for epoch in range(epochs):
-                steps = min(self.steps_per_epoch, self.total_steps - self.global_step)
+            for epoch in range(self.pos.epoch, epochs):
+                steps = min(self.steps_per_epoch, self.total_steps - epoch * self.steps_per_epoch)
                 result = self._run_epoch(epoch, steps)
         finally:
             self.reporter.stop_progress()
@@ -150,6 +203,7 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, steps: int) -> EvalResult:
         start = time.perf_counter()
+        done_before = self.pos.epoch_totals[2]
         train_loss, train_top1, samples = self._train_epoch(epoch, steps)
         train_s = time.perf_counter() - start
         val = evaluate(self.bare, self.val_loader, self.strategy, self.cfg.model.channels_last)
@@ -158,7 +212,7 @@ class Trainer:
         epoch_s = time.perf_counter() - start
         record = {
             "epoch": epoch,
-            "step": self.global_step,
+            "step": self.pos.global_step,
             "train_loss": train_loss,
             "train_top1": train_top1,
             "val_loss": val.loss,
@@ -166,7 +220,7 @@ class Trainer:
             "val_top5": val.top5,
             "val_samples": val.samples,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "img_per_s": samples / train_s,
+            "img_per_s": (samples - done_before) / train_s,
             "epoch_s": epoch_s,
             "peak_mem_mb": peaks,
         }
@@ -176,23 +230,25 @@ class Trainer:
             f"val loss {val.loss:.4f} top-1 {val.top1:.2f}% top-5 {val.top5:.2f}% | "
             f"{record['img_per_s']:.0f} img/s, {epoch_s:.1f} s"
         )
-        self._save(epoch, val)
+        is_best = val.top1 > self.pos.best_top1  # reduced metrics: every rank decides alike
+        self.pos = Position(epoch + 1, 0, self.pos.global_step, max(self.pos.best_top1, val.top1))
+        self._save(val, best=is_best)
         return val
 
     def _train_epoch(self, epoch: int, steps: int) -> tuple[float, float, int]:
-        """Run `steps` optimizer steps; return the epoch's (mean loss, top-1 %, samples)."""
-        cfg, strategy, model = self.cfg, self.strategy, self.model
+        """Run the epoch's optimizer steps from where it stands; return its (mean loss, top-1 %, samples)."""
+        cfg, strategy, model, pos = self.cfg, self.strategy, self.model, self.pos
         accum = cfg.train.grad_accum
         channels_last = cfg.model.channels_last
         smoothing = cfg.train.label_smoothing
+        every = cfg.checkpoint.every_steps
         precision = strategy.precision
         model.train()
-        self.train_loader.set_epoch(epoch)
+        self.train_loader.set_epoch(epoch, pos.step_in_epoch)
         batches = iter(self.train_loader)
         window = torch.zeros(3, dtype=torch.float64, device=strategy.ctx.device)  # loss sum, correct, count
-        epoch_totals = [0.0, 0.0, 0.0]
         window_start = time.perf_counter()
-        for i in range(steps):
+        for i in range(pos.step_in_epoch, steps):
             for micro in range(accum):
                 x, y = next(batches)
                 x = _prepare_input(x, precision, channels_last)
@@ -206,17 +262,20 @@ class Trainer:
                     window[1] += (logits.argmax(dim=1) == y).sum()
                     window[2] += y.numel()
             self._optimizer_step()
-            self.global_step += 1
+            pos.global_step += 1
+            pos.step_in_epoch = i + 1
+            signum = self.stop.poll() if self.stop is not None else 0
+            checkpoint_due = bool(every) and pos.global_step % every == 0 and i < steps - 1
             status = None
-            if self.global_step % cfg.log_every == 0 or i == steps - 1:
+            if pos.global_step % cfg.log_every == 0 or i == steps - 1 or checkpoint_due or signum:
                 loss_sum, correct, count = self._reduce_window(window)
                 elapsed = time.perf_counter() - window_start
                 window_start = time.perf_counter()
-                epoch_totals = [a + b for a, b in zip(epoch_totals, (loss_sum, correct, count), strict=True)]
+                pos.epoch_totals = [a + b for a, b in zip(pos.epoch_totals, (loss_sum, correct, count), strict=True)]
                 self.reporter.record(
                     "step",
                     epoch=epoch,
-                    step=self.global_step,
+                    step=pos.global_step,
                     loss=loss_sum / count,
                     top1=100 * correct / count,
                     lr=self.optimizer.param_groups[0]["lr"],
@@ -224,7 +283,16 @@ class Trainer:
                 )
                 status = f"loss {loss_sum / count:.4f}"
             self.reporter.advance(epoch, status)
-        loss_sum, correct, count = epoch_totals
+            if signum:
+                path = self._save(None, best=False)
+                raise Stopped(
+                    f"stopped by {signal.Signals(signum).name} at step {pos.global_step}; checkpoint {path} "
+                    f"written; run the same command to resume",
+                    signum,
+                )
+            if checkpoint_due:
+                self._save(None, best=False)
+        loss_sum, correct, count = pos.epoch_totals
         return loss_sum / count, 100 * correct / count, int(count)
 
     def _optimizer_step(self) -> None:
@@ -243,27 +311,32 @@ class Trainer:
         loss_sum, correct, count = reduced.tolist()
         if not math.isfinite(loss_sum):
             raise TrainingDiverged(
-                f"loss is {loss_sum / count} at step {self.global_step}; lower optim.lr, "
-                f"set clip_grad_norm, or use precision=fp32"
+                f"loss is {loss_sum / count} at step {self.pos.global_step}; lower optim.lr, "
+                f"set clip_grad_norm, or use precision=fp32 (the last good checkpoint is kept)"
             )
         return loss_sum, correct, count
 
-    def _save(self, epoch: int, val: EvalResult) -> None:
-        """last.pt every epoch, best.pt when validation top-1 improves; rank 0 writes."""
-        is_best = val.top1 > self.best_top1
-        self.best_top1 = max(self.best_top1, val.top1)
+    def _save(self, val: EvalResult | None, best: bool) -> Path:
+        """step-N.pt (with last.pt and, when best, best.pt pointing at it); rank 0 writes, all wait."""
+        rngs = self.strategy.all_gather_object(rng_state())
+        path = checkpoint.step_path(self.ckpt_dir, self.pos.global_step)
         if self.strategy.ctx.is_main:
             state = checkpoint.make_state(
                 model=self.bare.state_dict(),
                 optimizer=self.optimizer.state_dict(),
                 scheduler=self.scheduler.state_dict(),
                 scaler=self.scaler.state_dict(),
-                epoch=epoch,
-                step=self.global_step,
-                val=val.as_dict(),
+                epoch=self.pos.epoch - (1 if self.pos.step_in_epoch == 0 else 0),
+                step=self.pos.global_step,
+                val=val.as_dict() if val is not None else None,
                 config=to_dict(self.cfg),
+                resume={
+                    "position": asdict(self.pos),
+                    "rng": rngs,
+                    "steps_per_epoch": self.steps_per_epoch,
+                    "world_size": self.strategy.ctx.world_size,
+                },
             )
-            checkpoint.save_atomic(state, self.ckpt_dir / "last.pt")
-            if is_best:
-                checkpoint.save_atomic(state, self.ckpt_dir / "best.pt")
+            checkpoint.save_step(state, self.ckpt_dir, self.pos.global_step, self.cfg.checkpoint.keep_last, best)
         self.strategy.barrier()
+        return path

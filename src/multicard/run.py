@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from multicard import checkpoint, dist
+from multicard import checkpoint, dist, resume
 from multicard.config import config_from_dict, parse_devices, to_yaml
 from multicard.data import build_data
 from multicard.data.sampling import BatchPlan
@@ -20,6 +20,7 @@ from multicard.errors import UserError
 from multicard.models import build_model
 from multicard.optim import build_optimizer, build_scheduler
 from multicard.precision import Precision
+from multicard.stopping import GracefulStop
 from multicard.strategy import Strategy, make_strategy
 from multicard.telemetry import Reporter
 
@@ -101,29 +102,51 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
     strategy_name = resolve_strategy(cfg.strategy, env)
     out_dir = prepare_out_dir(cfg.out_dir)
     ctx, strategy = _start(cfg, env, strategy_name, training=True)
-    reporter = Reporter(ctx.is_main, out_dir)
+    reporter = Reporter(ctx.is_main, None)
     try:
+        resume_from = resume.choose(cfg, out_dir / "checkpoints", strategy, reporter.print)
+        reporter.open_metrics(out_dir / "metrics.jsonl", append=resume_from is not None)
         reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
         plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
         data = build_data(
             cfg, plan, ctx.rank, ctx.world_size, ctx.device, ctx.local_rank, ctx.local_world_size, strategy.barrier
         )
+        steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
+        state = resume.load(resume_from, cfg, steps_per_epoch) if resume_from is not None else None
         model = _build_model(cfg, data.num_classes)
+        if state is not None:
+            checkpoint.load_model_state(model, state["model"], resume_from)
         _seed_everything(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
         model = strategy.prepare(model, cfg)
-        steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
         optimizer = build_optimizer(strategy.unwrap(model), cfg)
         scheduler = build_scheduler(optimizer, cfg, total_steps(cfg, steps_per_epoch), steps_per_epoch)
-        trainer = Trainer(
-            cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir
-        )
-        reporter.print(
-            f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
-            f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={data.loader} "
-            f"global_batch={plan.global_batch} "
-            f"(micro-batch {plan.micro_batch} × {ctx.world_size} process(es) × {plan.grad_accum} accum)"
-        )
-        result = trainer.fit()
+        with GracefulStop(strategy.start_max) as stop:
+            trainer = Trainer(
+                cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir,
+                stop,
+            )  # fmt: skip
+            reporter.print(
+                f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
+                f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={data.loader} "
+                f"global_batch={plan.global_batch} "
+                f"(micro-batch {plan.micro_batch} × {ctx.world_size} process(es) × {plan.grad_accum} accum)"
+            )
+            if state is not None:
+                trainer.restore(state)
+                restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                again = f" (after restart {restarts})" if restarts != "0" else ""
+                reporter.print(
+                    f"resumed from {resume_from}{again}: epoch {trainer.pos.epoch}, "
+                    f"step {trainer.pos.global_step} of {trainer.total_steps}"
+                )
+            if trainer.finished:
+                reporter.print(
+                    f"nothing to train: this run is complete ({trainer.pos.global_step} steps); "
+                    f"set train.resume=never or another out_dir to train again"
+                )
+                val = state["val"] if state is not None else None
+                return EvalResult(**val) if val else None
+            result = trainer.fit()
         if result is not None:
             reporter.print(
                 f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "

@@ -7,6 +7,7 @@ what differs. The engine talks to the model and to the other ranks through a Str
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from typing import Any
@@ -68,6 +69,14 @@ class Strategy:
     def barrier(self) -> None:
         pass
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        return obj
+
+    def start_max(self, value: int) -> Callable[[], int]:
+        """Start agreeing on the max of an int over ranks (on the CPU); the result's waiter."""
+        return lambda: value
+
 
 class DataParallelStrategy(Strategy):
     """nn.DataParallel: one process drives several GPUs; the batch is split per forward."""
@@ -90,6 +99,11 @@ class DDPStrategy(Strategy):
     """DistributedDataParallel: one process per device, gradients all-reduced in buckets."""
 
     name = "ddp"
+
+    def __init__(self, ctx: DistContext, precision: Precision) -> None:
+        super().__init__(ctx, precision)
+        # Control flags travel on the CPU: a gloo group beside NCCL (gloo's default group serves).
+        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
     def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
         if cfg.sync_bn:
@@ -121,6 +135,21 @@ class DDPStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def start_max(self, value: int) -> Callable[[], int]:
+        flag = torch.tensor([value], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+
+        def wait() -> int:
+            work.wait()
+            return int(flag.item())
+
+        return wait
 
 
 def make_strategy(name: str, ctx: DistContext, precision: Precision, gpus: list[int]) -> Strategy:

@@ -32,9 +32,14 @@ class Reporter:
         self._task: Any = None
         self._last_refresh = 0.0
         self._metrics = None
-        if is_main and out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(out_dir / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+        if out_dir is not None:
+            self.open_metrics(out_dir / "metrics.jsonl", append=False)
+
+    def open_metrics(self, path: Path, append: bool) -> None:
+        """Start metrics.jsonl, or continue it when the run resumes."""
+        if self.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
 
     def print(self, message: str) -> None:
         if self.is_main:
