@@ -19,10 +19,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
-# The main job: DDP with 2 processes on the embedded dataset (GPUs if 2 are present, else CPU).
+# The main job: DDP with 2 processes on the embedded dataset (GPUs if 2 are present, else CPU),
+# trained afresh each time (train.resume=never).
 demo: $(VENV)/.installed
 	@devices=$$($(PY) -c "import torch; print('auto' if torch.cuda.device_count() >= 2 else 'cpu')"); \
-	$(VENV)/bin/multicard train --config configs/demo.yaml --nproc-per-node 2 devices=$$devices
+	$(VENV)/bin/multicard train --config configs/demo.yaml --nproc-per-node 2 devices=$$devices train.resume=never
 
 test: $(VENV)/.installed-dev
 	$(PY) -m ruff check src tests

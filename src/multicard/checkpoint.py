@@ -16,16 +16,27 @@ from multicard.errors import UserError
 def save_atomic(state: dict[str, Any], path: Path) -> None:
     """Write to a temporary file in the same folder, flush to disk, then rename over `path`.
 
-    A crash at any moment leaves either the old file or the new one, never half of one.
+    A crash at any moment leaves either the old file or the new one, never half of one; a
+    failed write (disk full, quota) removes its temporary file and says so in one line.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable out_dir") from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        reason = exc.strerror or str(exc).splitlines()[0]
+        raise UserError(
+            f"cannot write {path} ({reason}); free space in {path.parent} or choose another out_dir "
+            f"(earlier checkpoints are intact)"
+        ) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -7,7 +7,7 @@ Launch examples (all train the same job):
     srun --ntasks-per-node 4 python -m multicard train --config configs/demo.yaml
 
 Exit codes: 0 success, 1 internal error (a bug: traceback shown), 2 bad input (one line),
-3 training diverged (NaN/inf loss), 130 interrupted.
+3 training diverged (NaN/inf loss), 130 / 143 stopped by SIGINT / SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from multicard.config import load_config
 from multicard.dist import ProcessEnv, detect_env
 from multicard.errors import MulticardError, UserError
 from multicard.launch import LaunchOptions, launch_workers
+from multicard.stopping import Stopped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "eval": _eval}[args.command](args)
+    except Stopped as exc:
+        if detect_env().rank == 0:  # every rank stopped alike; one line is enough
+            print(f"multicard: {exc}", file=sys.stderr)
+        return exc.exit_code
     except MulticardError as exc:
         env = detect_env()
         where = f" (rank {env.rank})" if env.world_size > 1 else ""

@@ -157,14 +157,20 @@ def setup(env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, tim
         device = torch.device("cpu")
     torch.set_num_threads(_threads(threads, env.local_world_size if distributed else 1))
     if distributed and not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        # torchrun's agent may already host the store (TORCHELASTIC_USE_AGENT_STORE): env://
+        # joins it; srun has no agent, so rank 0 hosts one at the master address.
+        url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+        store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
+        # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted
+        # rank from reading a dead peer's address left by the previous attempt.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            # torchrun's agent may already host the store (TORCHELASTIC_USE_AGENT_STORE):
-            # env:// joins it; srun has no agent, so rank 0 hosts one at the master address.
-            init_method="env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}",
+            store=dist.PrefixStore(f"multicard/attempt-{attempt}", store),
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     return DistContext(

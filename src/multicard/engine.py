@@ -231,7 +231,9 @@ class Trainer:
             f"{record['img_per_s']:.0f} img/s, {epoch_s:.1f} s"
         )
         is_best = val.top1 > self.pos.best_top1  # reduced metrics: every rank decides alike
-        self.pos = Position(epoch + 1, 0, self.pos.global_step, max(self.pos.best_top1, val.top1))
+        self.pos.best_top1 = max(self.pos.best_top1, val.top1)
+        if self.pos.step_in_epoch == self.steps_per_epoch:  # else train.max_steps cut the epoch short
+            self.pos = Position(epoch + 1, 0, self.pos.global_step, self.pos.best_top1)
         self._save(val, best=is_best)
         return val
 

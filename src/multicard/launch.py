@@ -47,10 +47,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(port: int) -> None:
+    """Node 0 hosts the rendezvous on `port`: say so now if something else holds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise UserError(
+                f"--master-port {port} is in use on this machine; choose another port "
+                f"(or omit --master-port on a single node to get a free one)"
+            ) from None
+
+
 def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
     """Run `python -m multicard <worker_argv>` in nproc_per_node workers; return the exit code."""
     addr = options.master_addr or "127.0.0.1"
     port = options.master_port or free_port()
+    if options.master_port is not None and options.node_rank == 0:
+        check_port_free(port)
     multinode = options.nnodes > 1
     config = LaunchConfig(
         min_nodes=options.nnodes,
@@ -74,7 +88,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()  # the cause, not a worker the agent then stopped
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-        if code not in (UserError.exit_code, 3):  # those already printed their one line
+        if code not in (UserError.exit_code, 3, 130, 143):  # those already printed their one line
             print(f"multicard: error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return code
     return 0

@@ -103,6 +103,7 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
     out_dir = prepare_out_dir(cfg.out_dir)
     ctx, strategy = _start(cfg, env, strategy_name, training=True)
     reporter = Reporter(ctx.is_main, None)
+    data = None
     try:
         resume_from = resume.choose(cfg, out_dir / "checkpoints", strategy, reporter.print)
         reporter.open_metrics(out_dir / "metrics.jsonl", append=resume_from is not None)
@@ -154,6 +155,8 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
             )
         return result
     finally:
+        if data is not None:
+            data.close()
         reporter.close()
         dist.teardown()
 
@@ -172,6 +175,7 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, a
         checkpoint.load_model_state(model, state["model"], path)
         model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
         result = evaluate(model, data.val, strategy, cfg.model.channels_last)
+        data.close()
         if ctx.is_main:
             if as_json:
                 print(json.dumps(result.as_dict()))

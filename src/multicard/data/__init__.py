@@ -39,6 +39,12 @@ class Data:
     num_classes: int
     loader: str  # device | workers
 
+    def close(self) -> None:
+        """Release loader processes (the workers loader's); safe to call more than once."""
+        for loader in (self.train, self.val):
+            if loader is not None:
+                loader.close()
+
 
 def read_splits(cfg: DictConfig) -> Splits:
     """Training and validation sources named by the config (nothing decoded yet for folders)."""

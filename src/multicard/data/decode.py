@@ -100,6 +100,6 @@ def decoded(files: Files, size: int, cache_dir: Path | None, write: bool, role: 
             for stale in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.pt"):
                 if stale != path:
                     stale.unlink(missing_ok=True)
-        except OSError as exc:
-            warnings.warn(f"cannot write the decoded-image cache in {path.parent} ({exc.strerror})", stacklevel=2)
+        except (OSError, UserError) as exc:
+            warnings.warn(f"decoded-image cache not written: {exc}", stacklevel=2)
     return data

@@ -82,6 +82,9 @@ class DeviceTrainLoader:
     def __len__(self) -> int:
         return len(self.sampler)
 
+    def close(self) -> None:
+        pass
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for indices in self.sampler:
             yield self.finish(*self.data.gather(indices), indices, self.sampler.epoch)
@@ -95,6 +98,9 @@ class DeviceEvalLoader:
         self.batch_size = batch_size
         self.shard = eval_shard(len(data), rank, world_size)
         self.finish = finish
+
+    def close(self) -> None:
+        pass
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(self.shard.start, self.shard.stop, self.batch_size):

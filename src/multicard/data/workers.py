@@ -9,6 +9,7 @@ small-image crop/flip, run on the training device in `DeviceBatches`.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -70,8 +71,16 @@ class _EvalKeys:
             yield [(0, i) for i in batch]
 
 
-def _seed_worker(seed: int, rank: int, worker_id: int) -> None:
-    """Distinct, reproducible streams per (seed, rank, worker) for any library-level randomness."""
+def _init_worker(seed: int, rank: int, worker_id: int) -> None:
+    """Seed the worker, and keep it out of its trainer's process group.
+
+    Launchers and terminals signal whole process groups; a worker that died on SIGTERM or
+    Ctrl-C would break the step its trainer finishes before checkpointing. In a group of its
+    own it still ends with the trainer (normal shutdown, or DataLoader's watchdog when the
+    trainer is gone) and can still be terminated directly.
+    """
+    os.setpgid(0, 0)
+    # Distinct, reproducible streams per (seed, rank, worker) for any library-level randomness.
     key = int(sample_random(seed, rank, torch.tensor([worker_id]), stream=5)[0])
     torch.manual_seed(key)
     random.seed(key)
@@ -91,8 +100,16 @@ def _data_loader(dataset: SourceImages, batch_sampler, num_workers: int, device:
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
-        worker_init_fn=partial(_seed_worker, seed, rank) if num_workers > 0 else None,
+        worker_init_fn=partial(_init_worker, seed, rank) if num_workers > 0 else None,
     )
+
+
+def shutdown_workers(loader: DataLoader) -> None:
+    """Stop persistent workers now rather than whenever the loader is garbage-collected."""
+    iterator = getattr(loader, "_iterator", None)  # DataLoader keeps persistent workers here
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 def _batches(loader: DataLoader, finish: DeviceBatches, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -134,6 +151,9 @@ class WorkerTrainLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, self.sampler.epoch)
 
+    def close(self) -> None:
+        shutdown_workers(self.loader)
+
 
 class WorkerEvalLoader:
     """Yields (x, y) batches of this rank's share of the evaluation set, each sample once."""
@@ -155,3 +175,6 @@ class WorkerEvalLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, 0)
+
+    def close(self) -> None:
+        shutdown_workers(self.loader)

@@ -1,0 +1,134 @@
+"""Bad inputs from docs/errors.md not covered elsewhere: one line, documented exit code, and
+nothing lost (the last good checkpoint stays loadable)."""
+
+from __future__ import annotations
+
+import errno
+import re
+import socket
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from conftest import TINY, cli, load_checkpoint
+from multicard import checkpoint
+from multicard.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line(err: str) -> str:
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def test_wrong_data_path(tmp_path, capsys):
+    code = main(["train", *TINY, "data.name=imagefolder", f"data.root={tmp_path}/nowhere", f"out_dir={tmp_path}/o"])
+    assert code == 2
+    assert "has no train/ directory; expected" in one_line(capsys.readouterr().err)
+
+
+def test_checkpoint_of_another_model(tmp_path, capsys):
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    ckpt = str(tmp_path / "checkpoints" / "last.pt")
+    assert main(["eval", "--checkpoint", ckpt, "model.name=resnet18_cifar"]) == 2
+    assert "does not fit this model" in one_line(capsys.readouterr().err)
+    assert main(["train", *TINY, "model.name=resnet18_cifar", f"train.resume={ckpt}", f"out_dir={tmp_path}/b"]) == 2
+    assert "does not fit this model" in one_line(capsys.readouterr().err)
+
+
+def test_disk_full_while_saving_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    args = ["train", *TINY, "checkpoint.every_steps=4", f"out_dir={tmp_path}"]
+    real_save = torch.save
+    calls = []
+
+    def save_then_fill_the_disk(obj, f, *a, **kw):
+        calls.append(1)
+        if len(calls) < 3:
+            return real_save(obj, f, *a, **kw)
+        f.write(b"partial bytes")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_then_fill_the_disk)
+    assert main(args) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "cannot write" in err and "No space left on device" in err and "earlier checkpoints are intact" in err
+    monkeypatch.undo()
+    folder = tmp_path / "checkpoints"
+    assert not list(folder.glob(".*"))  # the half-written temporary file is gone
+    assert checkpoint.load(folder / "last.pt")["step"] == 8  # the second save, intact
+
+
+def test_port_in_use(tmp_path, capsys):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["train", "--nproc-per-node", "2", "--master-port", str(port), *TINY, f"out_dir={tmp_path}"])
+    assert code == 2
+    assert f"--master-port {port} is in use" in one_line(capsys.readouterr().err)
+
+
+class NanAfter(torch.nn.Module):
+    """A user model whose output turns NaN after a number of training forwards."""
+
+    def __init__(self, num_classes: int, after: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(num_classes))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.after:
+                out = out * float("nan")
+        return out
+
+
+def nan_after(num_classes: int, after: int = 8) -> torch.nn.Module:
+    model = NanAfter(num_classes, after)
+    model.after = after
+    model.eval()(torch.zeros(1, 3, 16, 16))  # materialise the lazy layer (not a training forward)
+    return model.train()
+
+
+def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
+    result = cli(
+        "train", "--nproc-per-node", "2", *TINY, "model.name=test_errors:nan_after", "log_every=1",
+        "checkpoint.every_steps=3", f"out_dir={tmp_path}",
+        env={"PYTHONPATH": str(ROOT / "tests")},
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("multicard: error")]
+    assert len(lines) == 2 and all("loss is nan at step 9; lower optim.lr" in line for line in lines)
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 6
+
+
+def test_exception_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
+    """A corrupt image read by one rank: the whole job ends promptly with that rank's message."""
+    data = tmp_path / "data" / "train"
+    for i in range(64):
+        (data / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(data / f"c{i % 2}" / f"{i:03d}.png")
+    (data / "c1" / "013.png").write_bytes(b"broken")
+    result = cli(
+        "train", "--nproc-per-node", "2", "model.name=smallcnn", "data.name=imagefolder",
+        f"data.root={tmp_path / 'data'}", "data.image_size=8", "data.loader=workers", "data.num_workers=0",
+        "train.global_batch_size=8", "dist_timeout_s=60", f"out_dir={tmp_path / 'out'}",
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert re.search(r"multicard: error \(rank [01]\): cannot decode image .*013\.png", result.stderr)
+
+
+def test_every_row_of_the_catalogue_names_an_existing_test():
+    text = (ROOT / "docs" / "errors.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`tests/" in line]
+    assert len(rows) >= 15
+    for row in rows:
+        path, name = re.search(r"`(tests/[\w/]+\.py)::(\w+)`", row).groups()
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), row

@@ -1,0 +1,218 @@
+"""Fault tolerance with real processes and real signals: exact resume, elastic restarts,
+graceful stop, checkpoint rotation and damaged checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, cli, load_checkpoint
+from multicard import checkpoint
+
+pytestmark = pytest.mark.distributed
+
+# Two epochs of 32 steps under a constant LR (so a run cut by train.max_steps follows the same
+# schedule as an uninterrupted one), checkpoints every 5 steps.
+EXACT = [*TINY, "train.epochs=2", "sched.name=constant", "checkpoint.every_steps=5", "data.val_size=64"]
+# Long enough (about 10 s) for a test to act while it runs.
+LONG = [*EXACT, "data.train_size=8192", "train.epochs=3", "log_every=50"]
+
+
+def final_params(out_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def run_ok(*args: str) -> subprocess.CompletedProcess:
+    result = cli("train", *args)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The out_dir of an uninterrupted run with the given arguments (each run once per module)."""
+    cache: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in cache:
+            out = tmp_path_factory.mktemp("reference")
+            run_ok(*args, f"out_dir={out}")
+            cache[args] = out
+        return cache[args]
+
+    return get
+
+
+# ------------------------------------------------------------------ exact resume
+
+
+@pytest.mark.parametrize("loader", ["device", "workers"])
+@pytest.mark.parametrize("launch", [(), ("--nproc-per-node", "2")], ids=["single", "ddp2"])
+def test_mid_epoch_resume_is_bitwise_exact(reference, tmp_path, launch, loader):
+    args = (*launch, *EXACT, f"data.loader={loader}", "data.num_workers=1")
+    run_ok(*args, "train.max_steps=43", f"out_dir={tmp_path}")  # stops inside the second epoch
+    cut = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert cut["step"] == 43 and cut["resume"]["position"]["step_in_epoch"] == 11
+    result = run_ok(*args, f"out_dir={tmp_path}")
+    assert "resumed from" in result.stdout and "step 43 of 64" in result.stdout
+    assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
+
+
+def test_resume_across_world_sizes_continues_the_epoch(tmp_path):
+    """A ddp×2 checkpoint continues under one process at the same global batch (and back)."""
+    exact = ["precision=fp64", "model.kwargs={norm: none}"]
+    single = tmp_path / "single"
+    run_ok(*EXACT, *exact, f"out_dir={single}")
+    mixed = tmp_path / "mixed"
+    run_ok("--nproc-per-node", "2", *EXACT, *exact, "train.max_steps=21", f"out_dir={mixed}")
+    run_ok(*EXACT, *exact, "train.max_steps=43", f"out_dir={mixed}")
+    result = run_ok("--nproc-per-node", "2", *EXACT, *exact, f"out_dir={mixed}")
+    assert "step 43 of 64" in result.stdout
+    a, b = final_params(mixed), final_params(single)
+    assert max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b) < 1e-10
+
+
+def test_finished_run_is_not_trained_again(reference, tmp_path):
+    out = reference(*EXACT)
+    result = run_ok(*EXACT, f"out_dir={out}")
+    assert "nothing to train" in result.stdout
+
+
+def test_changed_global_batch_is_refused_on_resume(tmp_path):
+    run_ok(*EXACT, "train.max_steps=7", f"out_dir={tmp_path}")
+    result = cli("train", *EXACT, "train.global_batch_size=64", f"out_dir={tmp_path}")
+    assert result.returncode == 2 and "train.global_batch_size=32" in result.stderr
+
+
+def test_resume_never_starts_afresh(tmp_path):
+    run_ok(*EXACT, "train.max_steps=7", f"out_dir={tmp_path}")
+    result = run_ok(*EXACT, "train.max_steps=3", "train.resume=never", f"out_dir={tmp_path}")
+    assert "removed" in result.stdout
+    assert [p.name for p in checkpoint.step_files(tmp_path / "checkpoints")] == ["step-000000003.pt"]
+
+
+# ------------------------------------------------------------------ checkpoints on disk
+
+
+def test_rotation_keeps_last_k_and_best(tmp_path):
+    for step, best in [(5, True), (10, False), (15, True), (20, False), (25, False)]:
+        checkpoint.save_step({"model": {"step": step}, "config": {}}, tmp_path, step, keep_last=2, best=best)
+    assert [p.name for p in checkpoint.step_files(tmp_path)] == ["step-000000025.pt", "step-000000020.pt"]
+    assert checkpoint.load(tmp_path / "last.pt")["model"]["step"] == 25
+    assert checkpoint.load(tmp_path / "best.pt")["model"]["step"] == 15  # outlives its rotated step file
+    assert not list(tmp_path.glob(".*"))  # no temporaries
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
+    run_ok(*EXACT, "train.max_steps=12", f"out_dir={tmp_path}")
+    folder = tmp_path / "checkpoints"
+    newest = checkpoint.step_files(folder)[0]
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash without atomic writes
+    result = run_ok(*EXACT, f"out_dir={tmp_path}")
+    assert "skipping damaged" in result.stdout and newest.name in result.stdout
+    assert "step 10 of 64" in result.stdout
+
+
+# ------------------------------------------------------------------ signals and restarts
+
+
+def wait_for(condition, timeout: float = 120.0, what: str = "condition") -> None:
+    """Poll a condition on the file system or process table (not a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "multicard", "train", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+
+
+def parents() -> dict[int, int]:
+    """pid → parent pid of every live (non-zombie) process, from /proc."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    tree = parents()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in tree.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def worker_pid(launcher: int, rank: int) -> int | None:
+    """The trainer process of `rank` under the launcher (not its data-loader children)."""
+    tree = parents()
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and f"LOCAL_RANK={rank}".encode() in environ:
+            parent_env = Path(f"/proc/{tree.get(pid, 1)}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() not in parent_env:
+                return pid
+    return None
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_checkpoints_and_the_next_run_resumes(reference, tmp_path, sig, code):
+    args = ("--nproc-per-node", "2", *LONG, "data.loader=workers", "data.num_workers=1")
+    proc = start(*args, f"out_dir={tmp_path}")
+    folder = tmp_path / "checkpoints"
+    wait_for(lambda: bool(checkpoint.step_files(folder)), what="the first checkpoint")
+    wait_for(lambda: len(descendants(proc.pid)) >= 4, what="2 workers, each with a loader process")
+    children = descendants(proc.pid)
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "stopped by" in err and "run the same command to resume" in err
+    stopped = load_checkpoint(folder / "last.pt")
+    assert 5 < stopped["step"] < 3 * 256  # written at the stop, mid-run
+    assert not children & set(parents())  # no worker or data-loader process left behind
+    result = run_ok(*args, f"out_dir={tmp_path}")
+    assert f"step {stopped['step']} of 768" in result.stdout
+    assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
+
+
+def test_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(reference, tmp_path):
+    args = ("--nproc-per-node", "2", *LONG)
+    proc = start("--max-restarts", "1", *args, f"out_dir={tmp_path}")
+    folder = tmp_path / "checkpoints"
+    wait_for(lambda: len(checkpoint.step_files(folder)) >= 2, what="two checkpoints")
+    victim = worker_pid(proc.pid, rank=1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "after restart 1" in out
+    assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
