@@ -34,8 +34,8 @@ RUNS = {
 }
 
 
-def run_plain(root: str) -> list[dict]:
-    cmd = [sys.executable, str(HERE / "plain_cifar10.py"), "--root", root, "--epochs", "5"]
+def run_plain(root: str, seed: int) -> list[dict]:
+    cmd = [sys.executable, str(HERE / "plain_cifar10.py"), "--root", root, "--epochs", "5", "--seed", str(seed)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--root", default="../shared/data/cifar10")
     p.add_argument("--out", default="runs/bench-seed")
     p.add_argument("--only", nargs="*", choices=list(RUNS), help="a subset of the runs")
+    p.add_argument("--seed", type=int, default=0, help="training seed (the validation split stays fixed)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,9 +71,10 @@ def main() -> None:
             continue
         start = time.perf_counter()
         if config is None:
-            records = run_plain(args.root)
+            records = run_plain(args.root, args.seed)
         else:
-            records = run_multicard(args.root, config, launch, overrides, out / name.replace(" ", "-"))
+            seeded = [*overrides, f"seed={args.seed}"]
+            records = run_multicard(args.root, config, launch, seeded, out / name.replace(" ", "-"))
         results[name] = {"records": records, "wall_s": time.perf_counter() - start}
         print(f"{name}: {results[name]['wall_s']:.0f} s", flush=True)
 

@@ -14,7 +14,6 @@ BAD_OVERRIDES = [
     (["devices=[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]"], "GPU"),
     (["model.name=nosuchnet"], "model.name=nosuchnet is unknown"),
     (["data.name=nosuchdata"], "data.name=nosuchdata"),
-    (["sync_bn=true", "devices=cpu"], "sync_bn=true needs"),
 ]
 
 

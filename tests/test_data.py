@@ -131,6 +131,9 @@ def test_val_directory_and_val_root(tmp_path):
     write_coded_folder(tmp_path / "other", 12)
     splits = read_splits(folder_config(tmp_path / "d", f"data.val_root={tmp_path / 'other'}"))
     assert len(splits.val) == 12 and len(splits.train) == 30
+    # Evaluation alone reads only val_root (the training folder may be absent there).
+    alone = build_data(folder_config(tmp_path / "nowhere", f"data.val_root={tmp_path / 'other'}"), None, 0, 1, CPU)
+    assert alone.num_classes == 3 and sum(len(y) for _, y in alone.val) == 12
     write_coded_folder(tmp_path / "wrong", 4, classes=("dog", "emu"))
     with pytest.raises(UserError, match="2 classes that differ from training's 3"):
         read_splits(folder_config(tmp_path / "d", f"data.val_root={tmp_path / 'wrong'}"))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import TINY, cli, load_checkpoint, requires_2_gpus
 
@@ -20,7 +21,9 @@ def _params(out_dir):
 
 
 def _max_rel_diff(a, b):
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
+    floats = [k for k in b if b[k].is_floating_point()]
+    assert all(torch.equal(a[k], b[k]) for k in b if k not in floats)  # counters such as num_batches_tracked
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in floats)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,20 @@ def test_ddp2_equals_single_process_after_5_steps(single_run, tmp_path, accum):
     assert _params(single_run).keys() == ddp.keys()
     assert _max_rel_diff(ddp, single) < 1e-10
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 5
+
+
+def test_ddp2_with_sync_bn_on_cpu_equals_single_process_with_batchnorm(tmp_path):
+    """BatchNorm over the global batch: DDP×2 on gloo trains like one process on the whole batch."""
+    with_bn = [arg for arg in PARITY if not arg.startswith("model.kwargs")]
+    single = tmp_path / "single"
+    assert cli("train", *with_bn, f"out_dir={single}").returncode == 0
+    synced = tmp_path / "synced"
+    result = cli("train", "--nproc-per-node", "2", *with_bn, "sync_bn=true", f"out_dir={synced}")
+    assert result.returncode == 0, result.stderr
+    assert _max_rel_diff(_params(synced), _params(single)) < 1e-10  # running stats included
+    per_rank = tmp_path / "per_rank"
+    assert cli("train", "--nproc-per-node", "2", *with_bn, f"out_dir={per_rank}").returncode == 0
+    assert _max_rel_diff(_params(per_rank), _params(single)) > 1e-6  # without it, BN differs
 
 
 def test_parity_would_catch_a_different_data_order(single_run, tmp_path):

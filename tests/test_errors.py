@@ -104,7 +104,7 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     )  # fmt: skip
     assert result.returncode == 3, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("multicard: error")]
-    assert len(lines) == 2 and all("loss is nan at step 9; lower optim.lr" in line for line in lines)
+    assert len(lines) == 2 and all("loss is NaN/inf at step 9; lower optim.lr" in line for line in lines)
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 6
 
 

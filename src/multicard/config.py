@@ -109,7 +109,7 @@ class Config:
     seed: int = 0
     out_dir: str = "runs/default"
     precision: str = "fp32"
-    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under ddp (CUDA only)
+    sync_bn: bool = False  # ddp: BatchNorm statistics over the global batch (CUDA and CPU); single: no effect
     clip_grad_norm: float = 0.0  # max global gradient norm; 0 = off
     log_every: int = 50  # optimizer steps between step records (and host syncs)
     threads: int = 0  # CPU threads per process; 0 = cores / local processes

@@ -248,7 +248,8 @@ class Trainer:
         model.train()
         self.train_loader.set_epoch(epoch, pos.step_in_epoch)
         batches = iter(self.train_loader)
-        window = torch.zeros(3, dtype=torch.float64, device=strategy.ctx.device)  # loss sum, correct, count
+        # loss sum (finite losses), correct, count, micro-steps whose loss was NaN/inf
+        window = torch.zeros(4, dtype=torch.float64, device=strategy.ctx.device)
         window_start = time.perf_counter()
         for i in range(pos.step_in_epoch, steps):
             for micro in range(accum):
@@ -260,9 +261,11 @@ class Trainer:
                     loss = F.cross_entropy(logits, y, label_smoothing=smoothing)
                     self.scaler.scale(loss / accum).backward()
                 with torch.no_grad():
-                    window[0] += loss.detach() * y.numel()
+                    finite = torch.isfinite(loss.detach())
+                    window[0] += torch.where(finite, loss.detach(), 0.0) * y.numel()
                     window[1] += (logits.argmax(dim=1) == y).sum()
                     window[2] += y.numel()
+                    window[3] += ~finite
             self._optimizer_step()
             pos.global_step += 1
             pos.step_in_epoch = i + 1
@@ -307,15 +310,19 @@ class Trainer:
         self.scheduler.step()
 
     def _reduce_window(self, window: torch.Tensor) -> tuple[float, float, float]:
-        """Sum the window over ranks (one host sync), stop everyone on a non-finite loss."""
+        """Sum the window over ranks (one host sync); a NaN/inf loss on any rank stops every
+        rank, except under the fp16 scaler, which skips those steps and lowers its scale."""
         reduced = self.strategy.all_reduce_sum(window.clone())
         window.zero_()
-        loss_sum, correct, count = reduced.tolist()
-        if not math.isfinite(loss_sum):
+        loss_sum, correct, count, nonfinite = reduced.tolist()
+        if nonfinite and not self.scaler.is_enabled():
             raise TrainingDiverged(
-                f"loss is {loss_sum / count} at step {self.pos.global_step}; lower optim.lr, "
+                f"loss is NaN/inf at step {self.pos.global_step}; lower optim.lr, "
                 f"set clip_grad_norm, or use precision=fp32 (the last good checkpoint is kept)"
             )
+        if nonfinite:
+            skipped = int(nonfinite)
+            self.reporter.print(f"step {self.pos.global_step}: fp16 scaler skipped {skipped} NaN/inf micro-step(s)")
         return loss_sum, correct, count
 
     def _save(self, val: EvalResult | None, best: bool) -> Path:

@@ -52,8 +52,8 @@ def check_topology(
             "strategy=dp needs CUDA GPUs and none is in use; use strategy=ddp with "
             "--nproc-per-node N for several CPU processes, or strategy=single"
         )
-    if cfg.sync_bn and (strategy != "ddp" or not gpus):
-        raise UserError("sync_bn=true needs strategy=ddp on CUDA GPUs; set sync_bn=false")
+    if cfg.sync_bn and strategy == "dp":
+        raise UserError("sync_bn=true is not supported by strategy=dp (each replica normalises its chunk); use ddp")
     if not training:
         return gpus
     plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from multicard.dist import DistContext
 from multicard.precision import AutocastForward, Precision
+from multicard.syncbn import convert_global_batchnorm
 
 _DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
 
@@ -107,7 +108,10 @@ class DDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
         if cfg.sync_bn:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            if self.ctx.device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            else:
+                model = convert_global_batchnorm(model)
         knobs = cfg.ddp
         # Newer torch renamed broadcast_buffers; pass the knob under whichever name it knows.
         buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"

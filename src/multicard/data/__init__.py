@@ -46,9 +46,16 @@ class Data:
                 loader.close()
 
 
-def read_splits(cfg: DictConfig) -> Splits:
-    """Training and validation sources named by the config (nothing decoded yet for folders)."""
+def read_splits(cfg: DictConfig, need_train: bool = True) -> Splits:
+    """Training and validation sources named by the config (nothing decoded yet for folders).
+
+    Evaluating on data.val_root needs no training data: its class folders define the labels.
+    """
     d = cfg.data
+    if d.val_root and not need_train:
+        val, classes = scan_folder(Path(d.val_root), "data.val_root")
+        empty = InMemory(torch.empty(0, 3, d.image_size, d.image_size, dtype=torch.uint8), torch.empty(0).long())
+        return Splits(empty, val, classes)
     if d.name == "synthetic":
         if not 2 <= d.num_classes <= len(CLASSES):
             raise UserError(f"data.num_classes={d.num_classes} must be in 2..{len(CLASSES)} for synthetic data")
@@ -114,7 +121,7 @@ def build_data(
     cache) and fills the cache, the other ranks wait at `barrier`, then read the cache.
     """
     d = cfg.data
-    splits = read_splits(cfg)
+    splits = read_splits(cfg, need_train=plan is not None)
     kind = choose_loader(cfg, splits, device, local_world_size)
     small = is_small(d.image_size)
     augment = Augment(d.crop_padding, flip=True) if d.augment and small else None

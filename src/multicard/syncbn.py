@@ -1,0 +1,57 @@
+"""BatchNorm statistics over the global batch under DDP on any device.
+
+torch's SyncBatchNorm runs on CUDA only. On the CPU (gloo) this module computes the same
+statistics from one differentiable all-reduce of per-channel (sum, sum of squares, count):
+autograd carries the gradient back through the reduction, as SyncBatchNorm's own backward does,
+so DDP with synced BatchNorm trains like one process on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.nn.functional import all_reduce
+
+
+class GlobalBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d whose training statistics are summed over all ranks of the default group."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        c = x.shape[1]
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        count = torch.full((1,), x.numel() / c, dtype=xf.dtype, device=x.device)
+        local = torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count])
+        total = all_reduce(local)  # sum over ranks, differentiable
+        n = total[-1]
+        mean = total[:c] / n
+        var = (total[c : 2 * c] / n - mean * mean).clamp_min(0)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                factor = self.momentum if self.momentum is not None else 1 / float(self.num_batches_tracked)
+                unbiased = var * (n / (n - 1).clamp_min(1))
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        shape = (1, c, 1, 1)
+        y = (xf - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y.to(x.dtype)
+
+
+def convert_global_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every BatchNorm2d in `module` by GlobalBatchNorm2d, keeping its state."""
+    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, GlobalBatchNorm2d):
+        new = GlobalBatchNorm2d(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
+        like = next(t for t in module.state_dict().values() if t.is_floating_point())
+        new.to(device=like.device, dtype=like.dtype)
+        new.load_state_dict(module.state_dict())
+        new.train(module.training)
+        return new
+    for name, child in module.named_children():
+        setattr(module, name, convert_global_batchnorm(child))
+    return module
