@@ -97,6 +97,13 @@ def test_changed_global_batch_is_refused_on_resume(tmp_path):
     assert result.returncode == 2 and "train.global_batch_size=32" in result.stderr
 
 
+def test_resume_of_a_missing_file_is_one_line(tmp_path):
+    result = cli("train", *EXACT, "train.resume=autoo", f"out_dir={tmp_path}")
+    assert result.returncode == 2
+    message = "train.resume=autoo is neither auto, never nor an existing checkpoint file"
+    assert result.stderr.strip() == f"multicard: error: {message}"
+
+
 def test_resume_never_starts_afresh(tmp_path):
     run_ok(*EXACT, "train.max_steps=7", f"out_dir={tmp_path}")
     result = run_ok(*EXACT, "train.max_steps=3", "train.resume=never", f"out_dir={tmp_path}")

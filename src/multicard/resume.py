@@ -41,6 +41,8 @@ def choose(cfg: DictConfig, folder: Path, strategy: Strategy, say: Any) -> Path 
                 say(f"warning: skipping damaged {line.removeprefix('checkpoint ')}")
             chosen = str(path) if path is not None else None
     if mode not in ("auto", "never"):
+        if not Path(mode).is_file():
+            raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
         chosen = mode  # an explicit path: every rank reads it, and a bad one fails on every rank
     chosen = strategy.broadcast_object(chosen)
     return Path(chosen) if chosen is not None else None
