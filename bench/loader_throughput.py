@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from multicard.config import config_from_dict, load_config, to_dict
-from multicard.data import build_data, cpu_cores
+from multicard.data import build_data
 from multicard.data.sampling import BatchPlan
+from multicard.dist import cpu_cores
 from multicard.models import build_model
 
 

@@ -139,11 +139,15 @@ def resolve_gpus(requested: list[int] | None) -> list[int]:
     return requested
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's total)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _threads(requested: int, local_world_size: int) -> int:
     if requested:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+    return max(1, cpu_cores() // max(1, local_world_size))
 
 
 def setup(env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, timeout_s: int) -> DistContext:

@@ -26,6 +26,7 @@ from multicard.data.sources import (
 from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
 from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
+from multicard.dist import cpu_cores
 from multicard.errors import UserError
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
@@ -71,10 +72,6 @@ def read_splits(cfg: DictConfig, need_train: bool = True) -> Splits:
         check_same_classes(splits.classes, classes, Path(d.val_root))
         splits = Splits(splits.train, val, splits.classes)
     return splits
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def choose_loader(cfg: DictConfig, splits: Splits, device: torch.device, local_world_size: int) -> str:
