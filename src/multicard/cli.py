@@ -7,7 +7,8 @@ Launch examples (all train the same job):
     srun --ntasks-per-node 4 python -m multicard train --config configs/demo.yaml
 
 Exit codes: 0 success, 1 internal error (a bug: traceback shown), 2 bad input (one line),
-3 training diverged (NaN/inf loss), 130 / 143 stopped by SIGINT / SIGTERM after a checkpoint.
+3 training diverged (NaN/inf loss), 4 `verify` found a difference, 130 / 143 stopped by
+SIGINT / SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -55,7 +56,79 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print the result as one JSON line")
     _add_launch_flags(e)
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. data.val_size=1000")
+    b = sub.add_parser(
+        "bench",
+        help="throughput of single / dp / ddp side by side",
+        description="Measure the same workload under each runner, strategy, world size and precision.",
+    )
+    b.add_argument("--config", help="YAML config file (default workload: resnet18, 32×32 on the device, batch 64)")
+    b.add_argument("--runners", default="multicard,plain", help="multicard,plain,lightning,accelerate")
+    b.add_argument("--strategies", default="single,dp,ddp", help="single,dp,ddp")
+    b.add_argument("--world-sizes", default="1,2,4,8", help="processes (ddp) or GPUs (dp), e.g. 1,2")
+    b.add_argument("--precisions", default="fp32", help="fp32,bf16,fp16")
+    b.add_argument(
+        "--ddp-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="extra ddp cells with these options, e.g. bf16:ddp.comm_hook=bf16 (repeatable)",
+    )  # fmt: skip
+    b.add_argument("--warmup", type=int, default=5, help="untimed steps per cell (default 5)")
+    b.add_argument("--steps", type=int, default=30, help="timed steps per cell (default 30)")
+    b.add_argument("--repeats", type=int, default=1, help="runs of every cell, alternating (default 1)")
+    b.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.png)")
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. precision=bf16")
+    v = sub.add_parser(
+        "verify",
+        help="check that N-process DDP trains like one process",
+        description="Check on this machine that DDP equals single-process training, eval and sampling.",
+    )
+    v.add_argument("--config", help="YAML config file")
+    v.add_argument("--nproc-per-node", type=int, default=2, help="processes of the DDP run (default 2)")
+    v.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default 4)")
+    v.add_argument("--break", dest="fault", choices=["no-set-epoch", "rank-seed"], help="break the setup on purpose")
+    v.add_argument("--keep", help="keep the runs' files in this directory")
+    v.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. model.name=smallcnn")
     return parser
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from multicard.verify import VerifyFailed, VerifyOptions, verify
+
+    if detect_env().launched:
+        raise UserError("multicard verify starts its own processes; run it without torchrun or srun")
+    options = VerifyOptions(args.config, args.overrides, args.nproc_per_node, args.steps, args.fault, args.keep)
+    failed = [o for o in verify(options) if o.failed]
+    if failed:
+        raise VerifyFailed(f"{len(failed)} check(s) failed: {'; '.join(o.name for o in failed)}")
+    return 0
+
+
+def _list(text: str, flag: str, kind: type = str) -> list:
+    try:
+        return [kind(item) for item in text.split(",") if item]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} must be a comma-separated list of {kind.__name__}s") from None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from multicard.bench import BenchOptions, bench
+    from multicard.bench.cells import parse_variant
+
+    if detect_env().launched:
+        raise UserError("multicard bench starts its own processes; run it without torchrun or srun")
+    options = BenchOptions(
+        config=args.config,
+        overrides=args.overrides,
+        runners=_list(args.runners, "--runners"),
+        strategies=_list(args.strategies, "--strategies"),
+        world_sizes=_list(args.world_sizes, "--world-sizes", int),
+        precisions=_list(args.precisions, "--precisions"),
+        variants=[parse_variant(v) for v in args.ddp_variant],
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        out=args.out,
+    )
+    rows = bench(options)
+    return 0 if all(r["status"] != "failed" for r in rows) else 1
 
 
 def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
@@ -105,7 +178,7 @@ def _eval(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "eval": _eval}[args.command](args)
+        return {"train": _train, "eval": _eval, "bench": _bench, "verify": _verify}[args.command](args)
     except Stopped as exc:
         if detect_env().rank == 0:  # every rank stopped alike; one line is enough
             print(f"multicard: {exc}", file=sys.stderr)

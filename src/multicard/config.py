@@ -22,6 +22,7 @@ SCHEDULES = ("cosine", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
 DATASETS = ("synthetic", "cifar10", "imagefolder")
 LOADERS = ("auto", "device", "workers")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclass
@@ -76,6 +77,7 @@ class OptimConfig:
     weight_decay: float = 5e-4
     decay_bias_and_norm: bool = False  # also decay 1-D parameters (biases, norm weights), as older recipes do
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    fused: bool = True  # one fused kernel per step where torch has it (same update, far less memory traffic)
 
 
 @dataclass
@@ -89,11 +91,16 @@ class SchedConfig:
 
 @dataclass
 class DDPConfig:
-    bucket_cap_mb: float = 25.0
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of about this size, during backward
+    static_graph: bool = False  # the graph is the same every step: lets DDP skip per-step bookkeeping
+    gradient_as_bucket_view: bool = False  # gradients live in the buckets: saves a copy and its memory
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    # Opt-in gradient compression; changes the maths (see docs/benchmarks.md for its accuracy effect):
+    # none | fp16 | bf16 (all-reduce in 16 bits) | powersgd (low-rank, with error feedback)
+    comm_hook: str = "none"
+    powersgd_rank: int = 1  # powersgd: rank of the gradient approximation
+    powersgd_start_step: int = 10  # powersgd: plain all-reduce before this optimizer step
 
 
 @dataclass
@@ -134,9 +141,17 @@ def _one_line(exc: OmegaConfBaseException) -> str:
     return msg
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> DictConfig:
-    """Build the read-only config from defaults, an optional YAML file and overrides."""
+def load_config(
+    path: str | None = None, overrides: list[str] | None = None, defaults: dict[str, Any] | None = None
+) -> DictConfig:
+    """Build the read-only config from defaults, an optional YAML file and overrides.
+
+    `defaults` (dotted keys) replace the built-in defaults and lose to the file and overrides:
+    bench and verify use them for their own workload.
+    """
     cfg = OmegaConf.structured(Config)
+    if defaults:
+        cfg = _merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in defaults.items()]))
     if path is not None:
         file = Path(path)
         if not file.is_file():
@@ -197,6 +212,11 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
     _choice(cfg.data.name, "data.name", DATASETS)
     _choice(cfg.data.loader, "data.loader", LOADERS)
+    _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
+    _positive(cfg.ddp.bucket_cap_mb, "ddp.bucket_cap_mb")
+    _positive(cfg.ddp.powersgd_rank, "ddp.powersgd_rank")
+    if cfg.ddp.powersgd_start_step < 2:
+        raise UserError(f"ddp.powersgd_start_step={cfg.ddp.powersgd_start_step} must be >= 2 (error feedback needs it)")
     if cfg.data.name != "synthetic" and not cfg.data.root:
         raise UserError(f"data.name={cfg.data.name} reads files: set data.root=DIR")
     if not 0 < cfg.data.val_fraction < 1:

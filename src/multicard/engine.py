@@ -12,7 +12,7 @@ import random
 import resource
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,12 +44,12 @@ class EvalResult:
         return {"top1": self.top1, "top5": self.top5, "loss": self.loss, "samples": self.samples}
 
 
-def _logits_for_loss(out: torch.Tensor) -> torch.Tensor:
+def logits_for_loss(out: torch.Tensor) -> torch.Tensor:
     # Reduced-precision logits are upcast so the loss and its statistics are computed in fp32.
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
-def _prepare_input(x: torch.Tensor, precision: Precision, channels_last: bool) -> torch.Tensor:
+def prepare_input(x: torch.Tensor, precision: Precision, channels_last: bool) -> torch.Tensor:
     if precision.param_dtype != torch.float32:
         x = x.to(precision.param_dtype)
     if channels_last:
@@ -71,10 +71,10 @@ def evaluate(
     device = strategy.ctx.device
     totals = torch.zeros(4, dtype=torch.float64, device=device)
     for x, y in batches:
-        x = _prepare_input(x, strategy.precision, channels_last)
+        x = prepare_input(x, strategy.precision, channels_last)
         with strategy.precision.autocast():
             out = model(x)
-        logits = _logits_for_loss(out)
+        logits = logits_for_loss(out)
         k = min(5, logits.shape[1])
         topk = logits.topk(k, dim=1).indices
         hits = topk == y.view(-1, 1)
@@ -167,6 +167,7 @@ class Trainer:
         self.pos = Position()
         self.total_steps = total_steps(cfg, steps_per_epoch)
         self.stop = stop
+        self.on_step: Callable[[], None] | None = None  # called after every optimizer step (bench's clock)
 
     # ------------------------------------------------------------ resume
 
@@ -204,7 +205,7 @@ class Trainer:
     def _run_epoch(self, epoch: int, steps: int) -> EvalResult:
         start = time.perf_counter()
         done_before = self.pos.epoch_totals[2]
-        train_loss, train_top1, samples = self._train_epoch(epoch, steps)
+        train_loss, train_top1, samples = self.train_epoch(epoch, steps)
         train_s = time.perf_counter() - start
         val = evaluate(self.bare, self.val_loader, self.strategy, self.cfg.model.channels_last)
         per_rank = self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices))
@@ -237,7 +238,7 @@ class Trainer:
         self._save(val, best=is_best)
         return val
 
-    def _train_epoch(self, epoch: int, steps: int) -> tuple[float, float, int]:
+    def train_epoch(self, epoch: int, steps: int) -> tuple[float, float, int]:
         """Run the epoch's optimizer steps from where it stands; return its (mean loss, top-1 %, samples)."""
         cfg, strategy, model, pos = self.cfg, self.strategy, self.model, self.pos
         accum = cfg.train.grad_accum
@@ -254,10 +255,10 @@ class Trainer:
         for i in range(pos.step_in_epoch, steps):
             for micro in range(accum):
                 x, y = next(batches)
-                x = _prepare_input(x, precision, channels_last)
+                x = prepare_input(x, precision, channels_last)
                 sync = micro == accum - 1
                 with nullcontext() if sync else strategy.no_sync(model):
-                    logits = _logits_for_loss(model(x))
+                    logits = logits_for_loss(model(x))
                     loss = F.cross_entropy(logits, y, label_smoothing=smoothing)
                     self.scaler.scale(loss / accum).backward()
                 with torch.no_grad():
@@ -266,7 +267,9 @@ class Trainer:
                     window[1] += (logits.argmax(dim=1) == y).sum()
                     window[2] += y.numel()
                     window[3] += ~finite
-            self._optimizer_step()
+            self.optimizer_step()
+            if self.on_step is not None:
+                self.on_step()
             pos.global_step += 1
             pos.step_in_epoch = i + 1
             signum = self.stop.poll() if self.stop is not None else 0
@@ -300,7 +303,7 @@ class Trainer:
         loss_sum, correct, count = pos.epoch_totals
         return loss_sum / count, 100 * correct / count, int(count)
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         if self.cfg.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)

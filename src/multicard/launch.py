@@ -59,8 +59,8 @@ def check_port_free(port: int) -> None:
             ) from None
 
 
-def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
-    """Run `python -m multicard <worker_argv>` in nproc_per_node workers; return the exit code."""
+def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str = "multicard") -> int:
+    """Run `python -m <module> <worker_argv>` in nproc_per_node workers; return the exit code."""
     addr = options.master_addr or "127.0.0.1"
     port = options.master_port or free_port()
     if options.master_port is not None and options.node_rank == 0:
@@ -80,7 +80,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str]) -> int:
         monitor_interval=0.1,
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "multicard", *worker_argv)
+        elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_argv)
     except SignalException as exc:
         # SIGINT/SIGTERM to the launcher: the agent has already stopped the workers.
         print(f"multicard: stopped by {exc.sigval.name}; workers terminated", file=sys.stderr)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +16,7 @@ from omegaconf import DictConfig
 
 from multicard import checkpoint, dist, resume
 from multicard.config import config_from_dict, parse_devices, to_yaml
-from multicard.data import build_data
+from multicard.data import Data, build_data
 from multicard.data.sampling import BatchPlan
 from multicard.engine import EvalResult, Trainer, evaluate, total_steps
 from multicard.errors import UserError
@@ -97,68 +100,92 @@ def _start(
     return ctx, make_strategy(strategy_name, ctx, precision, gpus)
 
 
-def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
-    """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
+@dataclass
+class Session:
+    """Everything one training process builds from the config, ready to run."""
+
+    cfg: DictConfig
+    ctx: dist.DistContext
+    strategy: Strategy
+    plan: BatchPlan
+    data: Data
+    trainer: Trainer
+    reporter: Reporter
+
+
+@contextmanager
+def session(cfg: DictConfig, env: dist.ProcessEnv, quiet: bool = False) -> Iterator[Session]:
+    """Set up the process group, data, model, optimizer and trainer; tear all down on exit.
+
+    `train`, `multicard bench` and `multicard verify` all build their runs here, so they
+    measure and check the very objects a training run uses. `quiet` keeps the run directory
+    and console untouched (bench and verify write their own outputs).
+    """
     strategy_name = resolve_strategy(cfg.strategy, env)
     out_dir = prepare_out_dir(cfg.out_dir)
     ctx, strategy = _start(cfg, env, strategy_name, training=True)
-    reporter = Reporter(ctx.is_main, None)
+    reporter = Reporter(ctx.is_main and not quiet, None)
     data = None
     try:
-        resume_from = resume.choose(cfg, out_dir / "checkpoints", strategy, reporter.print)
-        reporter.open_metrics(out_dir / "metrics.jsonl", append=resume_from is not None)
-        reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
         plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
         data = build_data(
             cfg, plan, ctx.rank, ctx.world_size, ctx.device, ctx.local_rank, ctx.local_world_size, strategy.barrier
         )
         steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
-        state = resume.load(resume_from, cfg, steps_per_epoch) if resume_from is not None else None
-        model = _build_model(cfg, data.num_classes)
-        if state is not None:
-            checkpoint.load_model_state(model, state["model"], resume_from)
+        model = strategy.prepare(_build_model(cfg, data.num_classes), cfg)
         _seed_everything(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
-        model = strategy.prepare(model, cfg)
         optimizer = build_optimizer(strategy.unwrap(model), cfg)
         scheduler = build_scheduler(optimizer, cfg, total_steps(cfg, steps_per_epoch), steps_per_epoch)
-        with GracefulStop(strategy.start_max) as stop:
-            trainer = Trainer(
-                cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir,
-                stop,
-            )  # fmt: skip
+        trainer = Trainer(
+            cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir
+        )
+        yield Session(cfg, ctx, strategy, plan, data, trainer, reporter)
+    finally:
+        if data is not None:
+            data.close()
+        reporter.close()
+        dist.teardown()
+
+
+def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
+    """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
+    with session(cfg, env) as s, GracefulStop(s.strategy.start_max) as stop:
+        trainer, reporter, out_dir = s.trainer, s.reporter, Path(cfg.out_dir)
+        trainer.stop = stop
+        resume_from = resume.choose(cfg, out_dir / "checkpoints", s.strategy, reporter.print)
+        reporter.open_metrics(out_dir / "metrics.jsonl", append=resume_from is not None)
+        reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
+        state = resume.load(resume_from, cfg, trainer.steps_per_epoch) if resume_from is not None else None
+        plan = s.plan
+        reporter.print(
+            f"multicard: strategy={s.strategy.name} world_size={s.ctx.world_size} device={s.ctx.device.type} "
+            f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={s.data.loader} "
+            f"global_batch={plan.global_batch} "
+            f"(micro-batch {plan.micro_batch} × {s.ctx.world_size} process(es) × {plan.grad_accum} accum)"
+        )
+        if state is not None:
+            checkpoint.load_model_state(trainer.bare, state["model"], resume_from)
+            trainer.restore(state)
+            restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            again = f" (after restart {restarts})" if restarts != "0" else ""
             reporter.print(
-                f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
-                f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={data.loader} "
-                f"global_batch={plan.global_batch} "
-                f"(micro-batch {plan.micro_batch} × {ctx.world_size} process(es) × {plan.grad_accum} accum)"
+                f"resumed from {resume_from}{again}: epoch {trainer.pos.epoch}, "
+                f"step {trainer.pos.global_step} of {trainer.total_steps}"
             )
-            if state is not None:
-                trainer.restore(state)
-                restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                again = f" (after restart {restarts})" if restarts != "0" else ""
-                reporter.print(
-                    f"resumed from {resume_from}{again}: epoch {trainer.pos.epoch}, "
-                    f"step {trainer.pos.global_step} of {trainer.total_steps}"
-                )
-            if trainer.finished:
-                reporter.print(
-                    f"nothing to train: this run is complete ({trainer.pos.global_step} steps); "
-                    f"set train.resume=never or another out_dir to train again"
-                )
-                val = state["val"] if state is not None else None
-                return EvalResult(**val) if val else None
-            result = trainer.fit()
+        if trainer.finished:
+            reporter.print(
+                f"nothing to train: this run is complete ({trainer.pos.global_step} steps); "
+                f"set train.resume=never or another out_dir to train again"
+            )
+            val = state["val"] if state is not None else None
+            return EvalResult(**val) if val else None
+        result = trainer.fit()
         if result is not None:
             reporter.print(
                 f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "
                 f"({result.samples} images)"
             )
         return result
-    finally:
-        if data is not None:
-            data.close()
-        reporter.close()
-        dist.teardown()
 
 
 def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, as_json: bool) -> EvalResult:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from multicard.dist import DistContext
 from multicard.precision import AutocastForward, Precision
@@ -115,7 +116,7 @@ class DDPStrategy(Strategy):
         knobs = cfg.ddp
         # Newer torch renamed broadcast_buffers; pass the knob under whichever name it knows.
         buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"
-        return nn.parallel.DistributedDataParallel(
+        ddp = nn.parallel.DistributedDataParallel(
             model,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
             bucket_cap_mb=knobs.bucket_cap_mb,
@@ -124,6 +125,10 @@ class DDPStrategy(Strategy):
             find_unused_parameters=knobs.find_unused_parameters,
             **{buffers_kw: knobs.broadcast_buffers},
         )
+        hook = comm_hook(knobs)
+        if hook is not None:
+            ddp.register_comm_hook(*hook)
+        return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         return model.no_sync()  # type: ignore[operator]
@@ -154,6 +159,22 @@ class DDPStrategy(Strategy):
             return int(flag.item())
 
         return wait
+
+
+def comm_hook(knobs: DictConfig) -> tuple[Any, Callable[..., Any]] | None:
+    """(state, hook) for DDP.register_comm_hook from ddp.comm_hook; None keeps DDP's own all-reduce."""
+    if knobs.comm_hook == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if knobs.comm_hook == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    if knobs.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=knobs.powersgd_rank,
+            start_powerSGD_iter=knobs.powersgd_start_step,
+        )
+        return state, powerSGD_hook.powerSGD_hook
+    return None
 
 
 def make_strategy(name: str, ctx: DistContext, precision: Precision, gpus: list[int]) -> Strategy:

@@ -9,8 +9,25 @@ so DDP with synced BatchNorm trains like one process on the whole global batch.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.nn.functional import all_reduce
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) with its gradient: every rank's output depends on every rank's input,
+    so the gradient of a rank's input is the sum of the output gradients of all ranks."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
 
 
 class GlobalBatchNorm2d(nn.BatchNorm2d):
@@ -23,7 +40,7 @@ class GlobalBatchNorm2d(nn.BatchNorm2d):
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         count = torch.full((1,), x.numel() / c, dtype=xf.dtype, device=x.device)
         local = torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count])
-        total = all_reduce(local)  # sum over ranks, differentiable
+        total = _SumOverRanks.apply(local)
         n = total[-1]
         mean = total[:c] / n
         var = (total[c : 2 * c] / n - mean * mean).clamp_min(0)

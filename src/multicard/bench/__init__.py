@@ -1,0 +1,109 @@
+"""`multicard bench`: the same workload under each runner, strategy, world size and precision.
+
+Default workload: resnet18 on 32×32 images already on the device (no decoding, no
+augmentation), global batch 64, so the numbers isolate compute and communication. Any config
+file or KEY=VALUE override applies (e.g. data.name=cifar10 for the real input pipeline).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from multicard.bench.cells import Variant, plan_cells
+from multicard.bench.report import plot, print_table, write_json
+from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
+from multicard.config import load_config
+from multicard.dist import cpu_cores, cuda_count
+from multicard.errors import UserError
+
+WORKLOAD = {
+    "model.name": "resnet18",
+    "data.name": "synthetic",
+    "data.image_size": 32,
+    "data.augment": False,
+    "data.loader": "device",
+    "data.val_size": 64,
+    "train.global_batch_size": 64,
+    "train.epochs": 1,
+}
+
+
+@dataclass
+class BenchOptions:
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    runners: list[str] = field(default_factory=lambda: ["multicard", "plain"])
+    strategies: list[str] = field(default_factory=lambda: ["single", "dp", "ddp"])
+    world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    precisions: list[str] = field(default_factory=lambda: ["fp32"])
+    variants: list[Variant] = field(default_factory=list)
+    warmup: int = 5
+    steps: int = 30
+    repeats: int = 1
+    out: str = "runs/bench"
+
+
+def environment() -> dict[str, Any]:
+    gpus = cuda_count()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": cpu_cores(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def bench(options: BenchOptions, console: Console | None = None) -> list[dict[str, Any]]:
+    """Plan, run and report the matrix; returns bench.json's rows."""
+    console = console or Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 160)  # a wide table in logs, not a column of ellipses
+    if options.steps < 1 or options.warmup < 0 or options.repeats < 1:
+        raise UserError("--steps and --repeats must be >= 1 and --warmup >= 0")
+    out = Path(options.out)
+    base = load_config(options.config, options.overrides, defaults={**WORKLOAD, "out_dir": str(out / "work")})
+    needed = base.train.global_batch_size * (options.warmup + options.steps + 1)
+    if base.data.name == "synthetic" and base.data.train_size < needed:
+        base = load_config(options.config, [*options.overrides, f"data.train_size={needed}"], defaults=WORKLOAD)
+    gpus, cores = cuda_count(), cpu_cores()
+    plan = plan_cells(
+        options.runners, options.strategies, options.world_sizes, options.precisions, options.variants, gpus, cores
+    )
+    configs = {cell: cell_config(base, cell, gpus, out / "work" / f"cell-{i}") for i, cell in enumerate(plan.cells)}
+    timing = Timing(options.warmup, options.steps, options.repeats)
+    console.print(
+        f"multicard bench: {len(plan.cells)} cell(s) × {options.repeats} repeat(s), {len(plan.skipped)} skipped; "
+        f"model={base.model.name} data={base.data.name} global_batch={base.train.global_batch_size} "
+        f"warmup={options.warmup} steps={options.steps}"
+    )
+
+    def progress(cell: Any, repeat: int, result: dict[str, Any]) -> None:
+        what = f"{result['step_ms']['median']:.1f} ms/step" if "step_ms" in result else result.get("failed")
+        console.print(f"  [{repeat + 1}/{options.repeats}] {cell.label}: {what}")
+
+    results = run_matrix(plan.cells, configs, timing, out / "work", progress)
+    rows = make_rows(results, plan.skipped, base.train.global_batch_size, gpus)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(rows, out / "bench.json")
+    (out / "environment.json").write_text(json.dumps({**environment(), "options": _describe(options)}, indent=1))
+    plot(rows, out / "bench.png")
+    print_table(rows, console)
+    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.png'}")
+    return rows
+
+
+def _describe(options: BenchOptions) -> dict[str, Any]:
+    d = dict(options.__dict__)
+    d["variants"] = [f"{v.name}:{','.join(v.overrides)}" for v in options.variants]
+    return d

@@ -1,0 +1,130 @@
+"""Clocks for one bench cell: step times, the split of a step, all-reduce bandwidth.
+
+Every timing waits for the device first (CUDA kernels are asynchronous), so a time is what
+the step cost, not when it was queued.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """Called once per optimizer step; keeps the step times after `warmup` steps."""
+
+    def __init__(self, device: torch.device, warmup: int) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.seen = 0
+        self.times: list[float] = []
+        self._last = time.perf_counter()
+
+    def __call__(self) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        if self.seen >= self.warmup:
+            self.times.append(now - self._last)
+        self.seen += 1
+        self._last = now
+
+
+def summary_ms(times: list[float]) -> dict[str, float]:
+    """Median and the 10th/90th percentiles of step times, in milliseconds."""
+    ms = sorted(t * 1000 for t in times)
+    if len(ms) == 1:
+        return {"median": ms[0], "p10": ms[0], "p90": ms[0]}
+    deciles = statistics.quantiles(ms, n=10, method="inclusive")
+    return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1]}
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def step_breakdown(
+    model: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    no_sync: Callable[[], Any],
+    optimizer_step: Callable[[], None],
+    device: torch.device,
+    steps: int,
+) -> dict[str, float]:
+    """Median ms of: fetching a batch, forward+backward without gradient reduction, the extra
+    time when gradients are reduced (communication not hidden behind backward), optimizer step."""
+    data, compute, synced, optim = [], [], [], []
+    box: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward_backward() -> None:
+        x, y = box[-1]
+        loss_fn(model(x), y).backward()
+
+    for i in range(2 * steps):
+        data.append(_timed(lambda: box.append(next(batches)), device))
+        if i % 2 == 0:
+            with no_sync():
+                compute.append(_timed(forward_backward, device))
+        else:
+            synced.append(_timed(forward_backward, device))
+        optim.append(_timed(optimizer_step, device))
+    med = {k: statistics.median(v) * 1000 for k, v in (("d", data), ("c", compute), ("s", synced), ("o", optim))}
+    return {
+        "data_ms": med["d"],
+        "compute_ms": med["c"],
+        "comm_exposed_ms": max(0.0, med["s"] - med["c"]),
+        "optimizer_ms": med["o"],
+    }
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def raw_allreduce_ms(nbytes: int, device: torch.device, repeats: int = 8) -> float:
+    """Median time of torch.distributed.all_reduce on one fp32 tensor of `nbytes`."""
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor)  # warm-up: connections, buffers
+    return statistics.median(_timed(lambda: dist.all_reduce(tensor), device) for _ in range(repeats)) * 1000
+
+
+class CommTimer:
+    """A DDP comm hook that all-reduces like DDP's own and notes when each bucket's reduction
+    starts and ends, giving the span of gradient communication within a step."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.spans: list[float] = []
+
+    def hook(self, state, bucket):  # noqa: ANN001, ANN201 -- DDP checks real (not string) annotations
+        self.starts.append(time.perf_counter())
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            self.ends.append(time.perf_counter())
+            return fut.value()[0]
+
+        return future.then(done)
+
+    def end_step(self) -> None:
+        if self.starts and self.ends:
+            self.spans.append(max(self.ends) - min(self.starts))
+        self.starts.clear()
+        self.ends.clear()

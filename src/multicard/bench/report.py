@@ -1,0 +1,102 @@
+"""bench's outputs: a rich table on the console, bench.json (a list of rows) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _num(value: float | None, fmt: str = "{:.0f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _ratio(spread: dict[str, float] | None) -> str:
+    if not spread:
+        return "—"
+    if spread["n"] == 1:
+        return f"{spread['median']:.3f}"
+    return f"{spread['median']:.3f} [{spread['min']:.2f}–{spread['max']:.2f}]"
+
+
+def table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="multicard bench", show_lines=False)
+    columns = ("cell", "img/s", "step ms", "efficiency", "÷ plain", "peak MB", "data/fb/comm/opt ms", "all-reduce GB/s")
+    for name in columns:
+        t.add_column(name, justify="left" if name == "cell" else "right")
+    for row in rows:
+        label = f"{row['runner']}/{row['strategy']}×{row['world_size']}/{row['precision']}"
+        if row.get("variant", "default") != "default":
+            label += f"+{row['variant']}"
+        if row["status"] != "ok":
+            t.add_row(label, f"[dim]{row['status']}: {row.get('reason', '')}[/dim]", *[""] * 6)
+            continue
+        b = row.get("breakdown")
+        parts = ("data_ms", "compute_ms", "comm_exposed_ms", "optimizer_ms")
+        split = "—" if not b else "/".join(f"{b[k]:.1f}" for k in parts)
+        a = row.get("allreduce")
+        rate = "—"
+        if a:
+            achieved = "—" if a.get("ddp_gb_per_s") is None else f"{a['ddp_gb_per_s']:.2f}"
+            rate = f"{achieved} (raw {a['raw_gb_per_s']:.2f})"
+        step = f"{row['step_ms_median']:.1f} [{row['step_ms_p10']:.1f}–{row['step_ms_p90']:.1f}]"
+        t.add_row(
+            label,
+            _num(row["img_per_s"]),
+            step,
+            _ratio(row.get("efficiency")),
+            _ratio(row.get("vs_plain")),
+            _num(row.get("peak_mem_mb")),
+            split,
+            rate,
+        )
+    return t
+
+
+def write_json(rows: list[dict[str, Any]], path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    tmp.replace(path)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Throughput and efficiency against world size, one line per runner/strategy/precision/variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float, float | None]]] = {}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        key = f"{row['runner']} {row['strategy']} {row['precision']}"
+        if row.get("variant", "default") != "default":
+            key += f" +{row['variant']}"
+        eff = row.get("efficiency")
+        lines.setdefault(key, []).append((row["world_size"], row["img_per_s"], eff["median"] if eff else None))
+    fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, points in sorted(lines.items()):
+        points.sort()
+        ax_tp.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+        eff_points = [(p[0], p[2]) for p in points if p[2] is not None]
+        if eff_points:
+            ax_eff.plot([p[0] for p in eff_points], [p[1] for p in eff_points], marker="o", label=key)
+    ax_tp.set(xlabel="world size", ylabel="images / s", title="Throughput")
+    ax_eff.set(xlabel="world size", ylabel="efficiency vs single", title="Scaling efficiency")
+    ax_eff.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    for ax in (ax_tp, ax_eff):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    if lines:
+        ax_tp.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict[str, Any]], console: Console | None = None) -> None:
+    (console or Console()).print(table(rows))
