@@ -7,6 +7,7 @@ Whatever multicard adds per step shows up as the ratio of its step time to this 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,9 +21,44 @@ from multicard.dist import cpu_cores, detect_env
 from multicard.models import build_model
 
 
-def _device(cfg: DictConfig, local_rank: int) -> torch.device:
+def device_for(cfg: DictConfig, local_rank: int) -> torch.device:
     on_gpu = cfg.devices != "cpu" and torch.cuda.is_available()
     return torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+
+
+def set_threads(cfg: DictConfig, processes: int) -> None:
+    torch.set_num_threads(cfg.threads or max(1, cpu_cores() // processes))
+
+
+def model_for(cfg: DictConfig, device: torch.device) -> nn.Module:
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model.name, cfg.data.num_classes, dict(cfg.model.kwargs)).to(device)
+    return model.to(memory_format=torch.channels_last) if cfg.model.channels_last else model
+
+
+def optimizer_for(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optim
+    extra = {"fused": True} if o.fused else {}
+    return torch.optim.SGD(
+        model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **extra
+    )
+
+
+def device_batches(cfg: DictConfig, device: torch.device, batch: int, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Endless (x, y) batches gathered from random uint8 images resident on the device."""
+    n, size = cfg.data.train_size, cfg.data.image_size
+    g = torch.Generator().manual_seed(cfg.seed + rank)
+    images = torch.randint(0, 256, (n, 3, size, size), generator=g, dtype=torch.uint8).to(device)
+    labels = torch.randint(0, cfg.data.num_classes, (n,), generator=g).to(device)
+    order = torch.randperm(n, generator=g).to(device)
+    step = 0
+    while True:
+        idx = order[(step * batch) % (n - batch + 1) :][:batch]
+        x = (images.index_select(0, idx).float() - 127.5) / 64.0
+        if cfg.model.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        yield x, labels.index_select(0, idx)
+        step += 1
 
 
 def run_plain(cfg: DictConfig, strategy: str, world_size: int, warmup: int, steps: int) -> dict[str, Any] | None:
@@ -30,43 +66,29 @@ def run_plain(cfg: DictConfig, strategy: str, world_size: int, warmup: int, step
     distributed = strategy == "ddp"
     env = detect_env()
     rank, local_rank = (env.rank, env.local_rank) if distributed else (0, 0)
-    device = _device(cfg, local_rank)
+    device = device_for(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(cfg.threads or max(1, cpu_cores() // (world_size if distributed else 1)))
+    set_threads(cfg, world_size if distributed else 1)
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        torch.manual_seed(cfg.seed)
-        model: nn.Module = build_model(cfg.model.name, cfg.data.num_classes, dict(cfg.model.kwargs)).to(device)
-        if cfg.model.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        model = model_for(cfg, device)
         if distributed:
             ids = [local_rank] if device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         elif strategy == "dp":
             model = nn.DataParallel(model, device_ids=list(range(world_size)))
-        o = cfg.optim
-        extra = {"fused": True} if o.fused else {}
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **extra
-        )
+        optimizer = optimizer_for(cfg, model)
         batch = cfg.train.global_batch_size // (world_size if distributed else 1)
-        n = cfg.data.train_size
-        g = torch.Generator().manual_seed(cfg.seed + rank)
-        images = torch.randint(0, 256, (n, 3, cfg.data.image_size, cfg.data.image_size), generator=g, dtype=torch.uint8)
-        images, labels = images.to(device), torch.randint(0, cfg.data.num_classes, (n,), generator=g).to(device)
+        batches = device_batches(cfg, device, batch, rank)
         autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
         clock = StepClock(device, warmup)
-        order = torch.randperm(n, generator=g).to(device)
-        for step in range(warmup + steps):
-            idx = order[(step * batch) % (n - batch + 1) :][:batch]
-            x = (images.index_select(0, idx).float() - 127.5) / 64.0
-            if cfg.model.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+        for _ in range(warmup + steps):
+            x, y = next(batches)
             with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                loss = F.cross_entropy(model(x).float(), labels.index_select(0, idx))
+                loss = F.cross_entropy(model(x).float(), y)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
