@@ -22,6 +22,7 @@ SCHEDULES = ("cosine", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
 DATASETS = ("synthetic", "cifar10", "imagefolder")
 LOADERS = ("auto", "device", "workers")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -110,6 +111,9 @@ class Config:
     out_dir: str = "runs/default"
     precision: str = "fp32"
     sync_bn: bool = False  # ddp: BatchNorm statistics over the global batch (CUDA and CPU); single: no effect
+    compile: bool = False  # torch.compile the model before the strategy wraps it; the first steps pay compilation
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    cudnn_benchmark: bool = False  # CUDA: cuDNN picks the fastest conv algorithms by timing (not bitwise reproducible)
     clip_grad_norm: float = 0.0  # max global gradient norm; 0 = off
     log_every: int = 50  # optimizer steps between step records (and host syncs)
     threads: int = 0  # CPU threads per process; 0 = cores / local processes
@@ -197,6 +201,7 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
     _choice(cfg.data.name, "data.name", DATASETS)
     _choice(cfg.data.loader, "data.loader", LOADERS)
+    _choice(cfg.compile_mode, "compile_mode", COMPILE_MODES)
     if cfg.data.name != "synthetic" and not cfg.data.root:
         raise UserError(f"data.name={cfg.data.name} reads files: set data.root=DIR")
     if not 0 < cfg.data.val_fraction < 1:

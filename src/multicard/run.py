@@ -17,6 +17,7 @@ from multicard.data import build_data
 from multicard.data.sampling import BatchPlan
 from multicard.engine import EvalResult, Trainer, evaluate, total_steps
 from multicard.errors import UserError
+from multicard.kernels import set_cudnn_benchmark
 from multicard.models import build_model
 from multicard.optim import build_optimizer, build_scheduler
 from multicard.precision import Precision
@@ -54,6 +55,10 @@ def check_topology(
         )
     if cfg.sync_bn and strategy == "dp":
         raise UserError("sync_bn=true is not supported by strategy=dp (each replica normalises its chunk); use ddp")
+    if cfg.compile and strategy == "dp" and len(gpus) > 1:
+        # DataParallel copies the model to every GPU at each step, and a compiled forward stays
+        # bound to the original, on the first GPU.
+        raise UserError(f"compile=true is not supported by strategy=dp over {len(gpus)} GPUs; use strategy=ddp")
     if not training:
         return gpus
     plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
@@ -93,6 +98,7 @@ def _start(
 ) -> tuple[dist.DistContext, Strategy]:
     gpus = check_topology(cfg, strategy_name, env.world_size, env.local_world_size, training)
     ctx = dist.setup(env, gpus, strategy_name == "ddp", cfg.threads, cfg.dist_timeout_s)
+    set_cudnn_benchmark(cfg.cudnn_benchmark)
     precision = Precision(cfg.precision, ctx.device.type)
     return ctx, make_strategy(strategy_name, ctx, precision, gpus)
 
@@ -116,7 +122,7 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
         state = resume.load(resume_from, cfg, steps_per_epoch) if resume_from is not None else None
         model = _build_model(cfg, data.num_classes)
         if state is not None:
-            checkpoint.load_model_state(model, state["model"], resume_from)
+            checkpoint.load_model_state(Strategy.unwrap(model), state["model"], resume_from)
         _seed_everything(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
         model = strategy.prepare(model, cfg)
         optimizer = build_optimizer(strategy.unwrap(model), cfg)
@@ -172,7 +178,7 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, a
             cfg, None, ctx.rank, ctx.world_size, ctx.device, ctx.local_rank, ctx.local_world_size, strategy.barrier
         )
         model = _build_model(cfg, data.num_classes)
-        checkpoint.load_model_state(model, state["model"], path)
+        checkpoint.load_model_state(Strategy.unwrap(model), state["model"], path)
         model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
         result = evaluate(model, data.val, strategy, cfg.model.channels_last)
         data.close()
