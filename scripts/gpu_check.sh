@@ -71,9 +71,9 @@ step() {
 
 # Limits add up to 470 s; expected on one H200: about 6-7 minutes in all. The matrix starts no
 # run after its budget and writes its JSON after every run, so a stopped matrix still reports.
-step cuda_tests 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests
-step matrix 240 "$PY" bench/gpu_matrix.py --out "$OUT/matrix" --budget-s 180
-step throughput 80 "$PY" bench/gpu_throughput.py --out "$OUT/throughput" --timeout-s 70
+step cuda_tests 130 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests
+step matrix 240 "$PY" bench/gpu_matrix.py --out "$OUT/matrix" --budget-s 190
+step throughput 100 "$PY" bench/gpu_throughput.py --out "$OUT/throughput" --timeout-s 90
 
 {
     echo "{"
