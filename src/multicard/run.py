@@ -179,6 +179,7 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, a
         )
         model = _build_model(cfg, data.num_classes)
         checkpoint.load_model_state(Strategy.unwrap(model), state["model"], path)
+        # Eager even when the config says compile: one pass over the data would not repay compiling.
         model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
         result = evaluate(model, data.val, strategy, cfg.model.channels_last)
         data.close()
