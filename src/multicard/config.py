@@ -23,6 +23,7 @@ LR_SCALING = ("none", "linear", "sqrt")
 DATASETS = ("synthetic", "cifar10", "imagefolder")
 LOADERS = ("auto", "device", "workers")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -117,6 +118,9 @@ class Config:
     out_dir: str = "runs/default"
     precision: str = "fp32"
     sync_bn: bool = False  # ddp: BatchNorm statistics over the global batch (CUDA and CPU); single: no effect
+    compile: bool = False  # torch.compile the model before the strategy wraps it; the first steps pay compilation
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    cudnn_benchmark: bool = False  # CUDA: cuDNN picks the fastest conv algorithms by timing (not bitwise reproducible)
     clip_grad_norm: float = 0.0  # max global gradient norm; 0 = off
     log_every: int = 50  # optimizer steps between step records (and host syncs)
     threads: int = 0  # CPU threads per process; 0 = cores / local processes
@@ -217,6 +221,7 @@ def validate(cfg: DictConfig) -> None:
     _positive(cfg.ddp.powersgd_rank, "ddp.powersgd_rank")
     if cfg.ddp.powersgd_start_step < 2:
         raise UserError(f"ddp.powersgd_start_step={cfg.ddp.powersgd_start_step} must be >= 2 (error feedback needs it)")
+    _choice(cfg.compile_mode, "compile_mode", COMPILE_MODES)
     if cfg.data.name != "synthetic" and not cfg.data.root:
         raise UserError(f"data.name={cfg.data.name} reads files: set data.root=DIR")
     if not 0 < cfg.data.val_fraction < 1:

@@ -20,6 +20,7 @@ from multicard.data import Data, build_data
 from multicard.data.sampling import BatchPlan
 from multicard.engine import EvalResult, Trainer, evaluate, total_steps
 from multicard.errors import UserError
+from multicard.kernels import set_cudnn_benchmark
 from multicard.models import build_model
 from multicard.optim import build_optimizer, build_scheduler
 from multicard.precision import Precision
@@ -57,6 +58,10 @@ def check_topology(
         )
     if cfg.sync_bn and strategy == "dp":
         raise UserError("sync_bn=true is not supported by strategy=dp (each replica normalises its chunk); use ddp")
+    if cfg.compile and strategy == "dp" and len(gpus) > 1:
+        # DataParallel copies the model to every GPU at each step, and a compiled forward stays
+        # bound to the original, on the first GPU.
+        raise UserError(f"compile=true is not supported by strategy=dp over {len(gpus)} GPUs; use strategy=ddp")
     if not training:
         return gpus
     plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
@@ -96,6 +101,7 @@ def _start(
 ) -> tuple[dist.DistContext, Strategy]:
     gpus = check_topology(cfg, strategy_name, env.world_size, env.local_world_size, training)
     ctx = dist.setup(env, gpus, strategy_name == "ddp", cfg.threads, cfg.dist_timeout_s)
+    set_cudnn_benchmark(cfg.cudnn_benchmark)
     precision = Precision(cfg.precision, ctx.device.type)
     return ctx, make_strategy(strategy_name, ctx, precision, gpus)
 
@@ -199,7 +205,8 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: dist.ProcessEnv, a
             cfg, None, ctx.rank, ctx.world_size, ctx.device, ctx.local_rank, ctx.local_world_size, strategy.barrier
         )
         model = _build_model(cfg, data.num_classes)
-        checkpoint.load_model_state(model, state["model"], path)
+        checkpoint.load_model_state(Strategy.unwrap(model), state["model"], path)
+        # Eager even when the config says compile: one pass over the data would not repay compiling.
         model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
         result = evaluate(model, data.val, strategy, cfg.model.channels_last)
         data.close()

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from multicard.dist import DistContext
+from multicard.kernels import compile_in_place, compiled_original
 from multicard.precision import AutocastForward, Precision
 from multicard.syncbn import convert_global_batchnorm
 
@@ -40,23 +41,40 @@ class Strategy:
         return [self.ctx.device]
 
     def prepare(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
-        """Move to the device and dtype, wrap for autocast and for the strategy."""
+        """Move to the device and dtype, convert layers, compile, wrap for autocast and the strategy.
+
+        The order matters: torch.compile sees the converted bare model (so it never traces a
+        wrapper), and autocast sits inside DataParallel/DDP (see AutocastForward).
+        """
         model = model.to(self.ctx.device, dtype=self.precision.param_dtype)
         if cfg.model.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        model = self.convert(model, cfg)
+        if cfg.compile:
+            model = compile_in_place(model, cfg.compile_mode)
         if self.precision.autocast_dtype is not None:
             model = AutocastForward(model, self.precision)
         return self.wrap(model, cfg)
+
+    def convert(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
+        """Layer replacements the strategy needs, made on the bare model."""
+        return model
 
     def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
         return model
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
-        """The bare model (no `module.` prefixes), for saving and evaluation."""
-        while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel, AutocastForward)):
-            model = model.module if not isinstance(model, AutocastForward) else model.model
-        return model
+        """The bare model (no `module.` or `_orig_mod.` prefixes), for saving and evaluation."""
+        while True:
+            if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+                model = model.module
+            elif isinstance(model, AutocastForward):
+                model = model.model
+            elif (original := compiled_original(model)) is not None:
+                model = original
+            else:
+                return model
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         """Context for micro-steps whose gradients need not be reduced yet."""
@@ -107,12 +125,14 @@ class DDPStrategy(Strategy):
         # Control flags travel on the CPU: a gloo group beside NCCL (gloo's default group serves).
         self.control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
+    def convert(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
+        if not cfg.sync_bn:
+            return model
+        if self.ctx.device.type == "cuda":
+            return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return convert_global_batchnorm(model)
+
     def wrap(self, model: nn.Module, cfg: DictConfig) -> nn.Module:
-        if cfg.sync_bn:
-            if self.ctx.device.type == "cuda":
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            else:
-                model = convert_global_batchnorm(model)
         knobs = cfg.ddp
         # Newer torch renamed broadcast_buffers; pass the knob under whichever name it knows.
         buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"

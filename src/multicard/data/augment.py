@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from multicard.data.transfer import to_device
+
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -48,8 +50,8 @@ def crop_flip(
     if flip:
         flips = torch.from_numpy((sample_random(seed, epoch, indices, 3) & np.uint64(1)).astype(bool))
         cols = torch.where(flips.view(n, 1), w - 1 - cols, cols)
-    cols = (cols + ox.view(n, 1)).to(device)
-    rows = (oy.view(n, 1) + torch.arange(h)).to(device)
+    cols = to_device(cols + ox.view(n, 1), device)
+    rows = to_device(oy.view(n, 1) + torch.arange(h), device)
     padded = torch.nn.functional.pad(images, (padding,) * 4) if padding else images
     out = padded.gather(2, rows.view(n, 1, h, 1).expand(n, c, h, w + 2 * padding))
     return out.gather(3, cols.view(n, 1, 1, w).expand(n, c, h, w))

@@ -15,6 +15,7 @@ import torch
 from multicard.data.augment import crop_flip
 from multicard.data.sampling import ShardedBatchSampler, eval_shard
 from multicard.data.sources import InMemory
+from multicard.data.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class TensorImages:
         return self.labels.numel()
 
     def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        on_device = indices.to(self.device, non_blocking=True)
+        on_device = to_device(indices, self.device)
         return self.images.index_select(0, on_device), self.labels.index_select(0, on_device)
 
 

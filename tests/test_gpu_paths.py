@@ -1,0 +1,202 @@
+"""GPU options (torch.compile, cuDNN autotuning, autocast under DataParallel, SyncBatchNorm):
+tested on the CPU wherever they mean something there, with CUDA twins skipped without a GPU."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from conftest import LEARN, TINY, cli, load_checkpoint, requires_2_gpus, requires_cuda
+from multicard import dist, run
+from multicard.config import load_config
+from multicard.dist import DistContext, ProcessEnv
+from multicard.errors import UserError
+from multicard.models import build_model
+from multicard.precision import AutocastForward, Precision
+from multicard.strategy import DataParallelStrategy, DDPStrategy, Strategy
+
+# float64, no BatchNorm, 5 optimizer steps: DDP and single-process runs agree to rounding.
+PARITY = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "train.max_steps=5", "data.val_size=64"]
+
+
+def _cpu_context() -> DistContext:
+    return DistContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    floats = [k for k in b if b[k].is_floating_point()]
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in floats)
+
+
+def _assert_bare_checkpoint(path) -> dict:
+    state = load_checkpoint(path)
+    assert not any(k.startswith(("_orig_mod.", "module.")) or "._orig_mod." in k for k in state["model"])
+    bare = build_model(state["config"]["model"]["name"], 10, state["config"]["model"]["kwargs"])
+    bare.load_state_dict(state["model"])  # strict: every key matches an uncompiled, unwrapped model
+    return state
+
+
+class Probe(nn.Module):
+    """Records, per call, whether torch.compile traced it and the dtype and device of a matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.calls: list[tuple[bool, torch.dtype, torch.device]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        self.calls.append((torch.compiler.is_compiling(), out.dtype, out.device))
+        return out
+
+
+# ------------------------------------------------------------------ config and topology
+
+
+def test_compile_mode_is_checked():
+    with pytest.raises(UserError, match="compile_mode=fast is not one of default, reduce-overhead"):
+        load_config(None, ["compile_mode=fast"])
+    cfg = load_config(None, ["compile=true", "compile_mode=max-autotune", "cudnn_benchmark=true"])
+    assert cfg.compile and cfg.compile_mode == "max-autotune" and cfg.cudnn_benchmark
+
+
+def test_compile_with_dataparallel_over_several_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(dist, "cuda_count", lambda: 2)
+    cfg = load_config(None, ["strategy=dp", "compile=true", "train.global_batch_size=64"])
+    with pytest.raises(UserError, match="compile=true is not supported by strategy=dp over 2 GPUs; use strategy=ddp"):
+        run.check_topology(cfg, "dp", 1, 1)
+    one_gpu = load_config(None, ["strategy=dp", "compile=true", "devices=[0]"])
+    assert run.check_topology(one_gpu, "dp", 1, 1) == [0]  # one GPU: DataParallel makes no replicas
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_cudnn_benchmark_follows_the_config(enabled):
+    before, threads = torch.backends.cudnn.benchmark, torch.get_num_threads()
+    torch.backends.cudnn.benchmark = not enabled
+    try:
+        cfg = load_config(None, ["devices=cpu", f"cudnn_benchmark={str(enabled).lower()}"])
+        run._start(cfg, ProcessEnv("none"), "single", training=True)
+        assert torch.backends.cudnn.benchmark is enabled
+    finally:
+        torch.backends.cudnn.benchmark = before
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ compile on the CPU
+
+
+def test_unwrap_sees_through_torch_compile_and_every_wrapper():
+    model = nn.Linear(4, 2)
+    wrapped = nn.DataParallel(AutocastForward(torch.compile(model), Precision("bf16", "cpu")))
+    assert Strategy.unwrap(wrapped) is model
+    assert list(Strategy.unwrap(wrapped).state_dict()) == ["weight", "bias"]
+
+
+def test_prepare_compiles_the_bare_model_in_place():
+    probe = Probe()
+    cfg = load_config(None, ["compile=true", "precision=bf16"])
+    prepared = Strategy(_cpu_context(), Precision("bf16", "cpu")).prepare(probe, cfg)
+    assert Strategy.unwrap(prepared) is probe and list(probe.state_dict()) == ["linear.weight", "linear.bias"]
+    with torch.no_grad():
+        prepared(torch.randn(3, 4))
+    compiled, dtype, _ = probe.calls[-1]
+    assert compiled and dtype == torch.bfloat16  # traced by torch.compile, under our autocast
+
+
+def test_prepare_without_compile_runs_eagerly():
+    """The check above can fail: the same probe reports eager calls."""
+    probe = Probe()
+    prepared = Strategy(_cpu_context(), Precision("fp32", "cpu")).prepare(probe, load_config(None, []))
+    prepared(torch.randn(3, 4))
+    assert probe.calls == [(False, torch.float32, torch.device("cpu"))]
+
+
+@pytest.mark.slow
+def test_compiled_training_checkpoints_the_bare_model(tmp_path):
+    result = cli("train", *TINY, "compile=true", "train.max_steps=2", f"out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    state = _assert_bare_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["step"] == 2 and state["config"]["compile"] is True
+    evaluated = cli("eval", "--checkpoint", str(tmp_path / "checkpoints" / "last.pt"), "--json")
+    assert evaluated.returncode == 0, evaluated.stderr
+    eager_top1 = json.loads(evaluated.stdout.strip().splitlines()[-1])["top1"]
+    assert abs(eager_top1 - state["val"]["top1"]) < 0.5  # eager eval of it: at most one of 301 flips
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compiled_ddp2_trains_like_eager_single_process(tmp_path):
+    """DDP around a compiled model still all-reduces every gradient: compiled DDP×2 ends where an
+    eager single process does (float64; only kernel rounding differs)."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert cli("train", *PARITY, f"out_dir={single}").returncode == 0
+    result = cli("train", "--nproc-per-node", "2", *PARITY, "compile=true", f"out_dir={ddp}")
+    assert result.returncode == 0, result.stderr
+    compiled = _assert_bare_checkpoint(ddp / "checkpoints" / "last.pt")["model"]
+    assert _max_rel_diff(compiled, load_checkpoint(single / "checkpoints" / "last.pt")["model"]) < 1e-9
+
+
+# ------------------------------------------------------------------ CUDA twins
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_fp16_autocast_runs_in_every_dataparallel_replica():
+    gpus = list(range(torch.cuda.device_count()))
+    ctx = DistContext(0, 0, 1, 1, torch.device("cuda", 0), distributed=False)
+    probe = Probe()
+    model = DataParallelStrategy(ctx, Precision("fp16", "cuda"), gpus).prepare(probe, load_config(None, []))
+    model(torch.randn(4 * len(gpus), 4, device="cuda"))
+    assert sorted(device.index for _, _, device in probe.calls) == gpus  # one call per replica
+    assert {dtype for _, dtype, _ in probe.calls} == {torch.float16}
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_cuda_fp16_with_grad_scaler_learns(tmp_path, strategy):
+    result = cli("train", *LEARN, f"strategy={strategy}", "devices=[0]", "precision=fp16", f"out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    epochs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in epochs if r["kind"] == "epoch"][-1]
+    assert last["val_top1"] >= 90 and last["peak_mem_mb"][0] > 0, last
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["scaler"]["scale"] > 0
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_compiled_bf16_channels_last_training(tmp_path):
+    args = ["compile=true", "precision=bf16", "model.channels_last=true", "cudnn_benchmark=true", "devices=[0]"]
+    result = cli("train", *TINY, *args, "train.max_steps=8", f"out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    state = _assert_bare_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["step"] == 8
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_ddp_converts_batchnorm_to_syncbatchnorm(tmp_path):
+    tdist.init_process_group("nccl", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ctx = DistContext(0, 0, 1, 1, torch.device("cuda", 0), distributed=True)
+        model = build_model("smallcnn", 10)
+        cfg = load_config(None, ["sync_bn=true"])
+        wrapped = DDPStrategy(ctx, Precision("bf16", "cuda")).prepare(model, cfg)
+        assert any(isinstance(m, nn.SyncBatchNorm) for m in Strategy.unwrap(wrapped).modules())
+        wrapped(torch.randn(8, 3, 16, 16, device="cuda")).float().sum().backward()
+    finally:
+        tdist.destroy_process_group()
+
+
+@requires_2_gpus
+@pytest.mark.cuda
+def test_cuda_ddp2_sync_bn_equals_single_gpu(tmp_path):
+    with_bn = [arg for arg in PARITY if not arg.startswith("model.kwargs")]
+    single, synced = tmp_path / "single", tmp_path / "synced"
+    assert cli("train", *with_bn, "devices=[0]", f"out_dir={single}").returncode == 0
+    result = cli("train", "--nproc-per-node", "2", *with_bn, "devices=[0,1]", "sync_bn=true", f"out_dir={synced}")
+    assert result.returncode == 0, result.stderr
+    a, b = (load_checkpoint(d / "checkpoints" / "last.pt")["model"] for d in (synced, single))
+    assert _max_rel_diff(a, b) < 1e-9
