@@ -44,6 +44,21 @@ def test_ddp2_equals_single_process_after_5_steps(single_run, tmp_path, accum):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 5
 
 
+@pytest.mark.parametrize("hook, start", [("fp16", 2), ("powersgd", 2)])
+def test_gradient_compression_is_opt_in_and_changes_the_maths(single_run, tmp_path, hook, start):
+    """A compression hook trains (finite, close to exact) but not exactly: that is why it is opt-in."""
+    result = cli(
+        "train", "--nproc-per-node", "2", *PARITY, "precision=fp32", f"ddp.comm_hook={hook}",
+        f"ddp.powersgd_start_step={start}", "ddp.powersgd_rank=2", f"out_dir={tmp_path}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    exact = tmp_path.parent / f"{hook}-exact"
+    assert cli("train", "--nproc-per-node", "2", *PARITY, "precision=fp32", f"out_dir={exact}").returncode == 0
+    diff = _max_rel_diff(_params(tmp_path), _params(exact))
+    assert 0 < diff < 0.5
+    assert all(torch.isfinite(v).all() for v in _params(tmp_path).values() if v.is_floating_point())
+
+
 def test_ddp2_with_sync_bn_on_cpu_equals_single_process_with_batchnorm(tmp_path):
     """BatchNorm over the global batch: DDP×2 on gloo trains like one process on the whole batch."""
     with_bn = [arg for arg in PARITY if not arg.startswith("model.kwargs")]
