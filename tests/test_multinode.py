@@ -91,18 +91,24 @@ class TwoHosts:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[node], *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+            ["ip", "netns", "exec", self.names[node], *argv], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         self.procs.append(proc)
         return proc
 
     def destroy(self) -> None:
-        for proc in self.procs:  # each node's launcher leads a process group with its workers
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # Every process inside the namespaces: launchers and their workers (which the agent
+        # starts in sessions of their own, out of reach of the launcher's process group).
+        for ns in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            proc.kill()
             proc.wait()
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -129,7 +135,8 @@ def two_hosts():
 def one_host_reference(tmp_path_factory):
     """Final parameters of the same job as 2 processes on one host."""
     out = tmp_path_factory.mktemp("one-host")
-    result = cli("train", "--config", "configs/demo.yaml", "--nproc-per-node", "2", *SMALL, f"out_dir={out}")
+    config = str(ROOT / "configs" / "demo.yaml")
+    result = cli("train", "--config", config, "--nproc-per-node", "2", *SMALL, f"out_dir={out}")
     assert result.returncode == 0, result.stderr
     return final_params(out)
 
