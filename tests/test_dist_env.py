@@ -2,7 +2,7 @@ import pytest
 
 from multicard import dist, run
 from multicard.config import load_config
-from multicard.dist import detect_env, expand_hostlist
+from multicard.dist import detect_env, expand_hostlist, select_interface, tasks_on_node
 from multicard.errors import UserError
 
 
@@ -46,11 +46,58 @@ def test_torchrun_wins_over_slurm_variables():
         ("a,b", ["a", "b"]),
         ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
         ("gpu[8-10],login1", ["gpu8", "gpu9", "gpu10", "login1"]),
-        ("rack[1-2]-n[3]", ["rack1-n[3]", "rack2-n[3]"]),
+        ("rack[1-2]-n[3]", ["rack1-n3", "rack2-n3"]),
+        ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+        ("a[1-2],b[09-10,12],c", ["a1", "a2", "b09", "b10", "b12", "c"]),
+        ("gpu-[1-2].cluster", ["gpu-1.cluster", "gpu-2.cluster"]),
     ],
 )
 def test_expand_hostlist(text, hosts):
     assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("spec, node, count", [("8", 0, 8), ("2(x4)", 3, 2), ("4(x2),3", 1, 4), ("4(x2),3", 2, 3)])
+def test_tasks_per_node_lists(spec, node, count):
+    assert tasks_on_node(spec, node) == count
+
+
+def test_bad_tasks_per_node_list_is_a_user_error():
+    with pytest.raises(UserError, match="4x2"):
+        tasks_on_node("4x2", 0)
+
+
+SRUN = {"SLURM_JOB_ID": "7", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "11"}
+
+
+def test_srun_uneven_tasks_per_node_gives_each_node_its_count():
+    env = {**SRUN, "SLURM_PROCID": "8", "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3",
+           "SLURM_STEP_NODELIST": "node[01-04,07]"}  # fmt: skip
+    got = detect_env(env)
+    assert (got.rank, got.node_rank, got.local_world_size, got.master_addr) == (8, 2, 3, "node01")
+
+
+def test_srun_falls_back_to_the_job_variables_and_honours_master_overrides():
+    env = {**SRUN, "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "6(x2)",
+           "SLURM_JOB_NODELIST": "gpu-a[3-4]", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"}  # fmt: skip
+    got = detect_env(env)
+    assert (got.local_world_size, got.master_addr, got.master_port) == (6, "10.1.2.3", 29400)
+    del env["MASTER_ADDR"], env["MASTER_PORT"]
+    assert detect_env(env).master_addr == "gpu-a3"
+
+
+def test_socket_ifname_sets_gloo_and_nccl_unless_exported():
+    environ: dict[str, str] = {}
+    select_interface("lo", environ)
+    assert environ == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    environ = {"NCCL_SOCKET_IFNAME": "ib0"}
+    select_interface("lo", environ)
+    assert environ == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "ib0"}  # the exported one wins
+    select_interface(None, environ)  # unset: nothing changes
+
+
+def test_unknown_socket_ifname_lists_the_interfaces():
+    with pytest.raises(UserError, match=r"net.socket_ifname=lo,nosuch0: nosuch0 is not .*\blo\b"):
+        select_interface("lo,nosuch0", {})
 
 
 def test_bad_variable_is_a_user_error():

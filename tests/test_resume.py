@@ -191,7 +191,7 @@ def worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
 def test_signal_to_launcher_checkpoints_and_the_next_run_resumes(reference, tmp_path, sig, code):
     args = ("--nproc-per-node", "2", *LONG, "data.loader=workers", "data.num_workers=1")
     proc = start(*args, f"out_dir={tmp_path}")

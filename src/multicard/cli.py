@@ -5,10 +5,12 @@ Launch examples (all train the same job):
     multicard train --config configs/demo.yaml --nproc-per-node 2    # DDP, built-in launcher
     torchrun --standalone --nproc-per-node 2 -m multicard train --config configs/demo.yaml
     srun --ntasks-per-node 4 python -m multicard train --config configs/demo.yaml
+    multicard train --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr HOST0 --master-port 29400 ...
+(several machines, Slurm scripts: docs/multinode.md, examples/slurm/train.sbatch)
 
 Exit codes: 0 success, 1 internal error (a bug: traceback shown), 2 bad input (one line),
-3 training diverged (NaN/inf loss), 4 `verify` found a difference, 130 / 143 stopped by
-SIGINT / SIGTERM after a checkpoint.
+3 training diverged (NaN/inf loss), 4 `verify` found a difference, 130 / 138 / 143 stopped
+by SIGINT / SIGUSR1 / SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc-per-node", type=int, help="worker processes on this node (one per GPU)")
     g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1")
-    g.add_argument("--master-addr", help="rendezvous host (node 0); multi-node only")
+    g.add_argument("--master-addr", help="rendezvous host (node 0's address that the others reach); multi-node only")
     g.add_argument("--master-port", type=int, help="rendezvous port; a free one is chosen on one node")
     g.add_argument("--max-restarts", type=int, default=0, help="restarts of failed workers (default 0)")
+    g.add_argument(
+        "--rdzv-timeout", type=int, default=300, help="seconds to reach node 0 and for all nodes to join (default 300)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +148,7 @@ def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions 
         master_addr=args.master_addr,
         master_port=args.master_port,
         max_restarts=args.max_restarts,
+        rdzv_timeout=args.rdzv_timeout,
     )
 
 

@@ -111,6 +111,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class NetConfig:
+    # Interface(s) for gloo/NCCL traffic between nodes, e.g. eth1 or ib0 (exact names, comma-separated
+    # for several): sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless they are exported already
+    # (the exported value wins). None = the libraries choose (the host name's address for gloo).
+    socket_ifname: str | None = None
+
+
+@dataclass
 class Config:
     strategy: str = "auto"  # auto: ddp when launched with several processes, else single
     devices: Any = "auto"  # auto | cpu | list of GPU ids, e.g. [0,1]
@@ -132,6 +140,7 @@ class Config:
     sched: SchedConfig = field(default_factory=SchedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    net: NetConfig = field(default_factory=NetConfig)
 
 
 def _one_line(exc: OmegaConfBaseException) -> str:

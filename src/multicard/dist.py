@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import socket
+import time
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,35 +57,55 @@ class DistContext:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm node list such as 'gpu[01-03,07],login1' into host names."""
+    """Expand a Slurm node list such as 'gpu[01-03,07],login1' or 'r[1-2]-n[1-2]' into host names."""
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not match:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for item in ranges.split(","):
-            lo, _, hi = item.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo)
-            for i in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        hosts.extend(_expand_name(part))
     return hosts
+
+
+def _expand_name(name: str) -> list[str]:
+    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", name)
+    if not match:
+        return [name]
+    prefix, ranges, rest = match.groups()
+    heads: list[str] = []
+    for item in ranges.split(","):
+        lo, _, hi = item.partition("-")
+        width = len(lo)  # zero padding is kept: node[08-10] → node08, node09, node10
+        heads.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi or lo) + 1))
+    # Several bracket groups in one name (rack[1-2]-n[1-2]) multiply, as in Slurm.
+    return [head + tail for head in heads for tail in _expand_name(rest)]
+
+
+def tasks_on_node(spec: str, node: int) -> int:
+    """Tasks on node `node` from a Slurm count list such as '4(x2),3' (= 4, 4, 3)."""
+    counts: list[int] = []
+    for item in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not match:
+            raise UserError(f"cannot read the Slurm task count list {spec!r} (expected e.g. '4(x2),3')")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts[node] if node < len(counts) else counts[-1]
 
 
 def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
     for name in names:
         if name in environ:
             try:
-                return int(environ[name].split("(")[0])  # Slurm writes e.g. "2(x4)"
+                return int(environ[name])
             except ValueError:
                 raise UserError(f"environment variable {name}={environ[name]!r} is not an integer") from None
     if default is None:
         raise UserError(f"environment variable {names[0]} is missing")
     return default
+
+
+def _local_tasks(environ: Mapping[str, str], node: int) -> int:
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        if environ.get(name):
+            return tasks_on_node(environ[name], node)
+    return 1
 
 
 def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
@@ -104,13 +126,14 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
         hosts = expand_hostlist(nodelist) if nodelist else ["127.0.0.1"]
         job_id = _int(environ, "SLURM_JOB_ID", default=0)
+        node = _int(environ, "SLURM_NODEID", default=0)
         return ProcessEnv(
             source="slurm",
             rank=_int(environ, "SLURM_PROCID"),
             local_rank=_int(environ, "SLURM_LOCALID", default=0),
             world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
-            local_world_size=_int(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", default=1),
-            node_rank=_int(environ, "SLURM_NODEID", default=0),
+            local_world_size=_local_tasks(environ, node),
+            node_rank=node,
             master_addr=environ.get("MASTER_ADDR", hosts[0]),
             master_port=_int(environ, "MASTER_PORT", default=SLURM_DEFAULT_PORT_BASE + job_id % 20000),
         )
@@ -150,7 +173,42 @@ def _threads(requested: int, local_world_size: int) -> int:
     return max(1, cpu_cores() // max(1, local_world_size))
 
 
-def setup(env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, timeout_s: int) -> DistContext:
+def select_interface(ifname: str | None, environ: MutableMapping[str, str] = os.environ) -> None:
+    """net.socket_ifname → GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; a value already exported wins."""
+    if not ifname:
+        return
+    present = sorted(name for _, name in socket.if_nameindex())
+    missing = [name for name in ifname.split(",") if name not in present]
+    if missing:
+        raise UserError(
+            f"net.socket_ifname={ifname}: {missing[0]} is not a network interface of this host "
+            f"({', '.join(present)}); use one of those names"
+        )
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        environ.setdefault(var, ifname)
+
+
+def wait_for_master(addr: str, port: int, timeout_s: float, hint: str) -> None:
+    """Return once addr:port accepts a TCP connection; a one-line UserError after timeout_s.
+
+    Run before torch connects to a store, whose own retries log C++ traces and, on a silent
+    network, take longer than asked. Refusals are retried: node 0 may simply start later.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(deadline - time.monotonic(), 2.0))):
+                return
+        except OSError as exc:
+            reason = (exc.strerror or type(exc).__name__).lower()
+        if time.monotonic() >= deadline:
+            raise UserError(f"cannot reach the rendezvous at {addr}:{port} within {timeout_s:g} s ({reason}); {hint}")
+        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+
+def setup(
+    env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, timeout_s: int, socket_ifname: str | None = None
+) -> DistContext:
     """Pick this process's device, set thread count, and start the process group if asked."""
     if gpus:
         # run.check_topology has made sure there is a GPU for every local rank.
@@ -162,6 +220,10 @@ def setup(env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, tim
     torch.set_num_threads(_threads(threads, env.local_world_size if distributed else 1))
     if distributed and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
+        select_interface(socket_ifname)
+        if env.source == "slurm" and env.rank != 0:
+            hint = "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls"
+            wait_for_master(env.master_addr, env.master_port, timeout_s, f"{hint}, or raise dist_timeout_s")
         # torchrun's agent may already host the store (TORCHELASTIC_USE_AGENT_STORE): env://
         # joins it; srun has no agent, so rank 0 hosts one at the master address.
         url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"

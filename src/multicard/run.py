@@ -100,7 +100,7 @@ def _start(
     cfg: DictConfig, env: dist.ProcessEnv, strategy_name: str, training: bool
 ) -> tuple[dist.DistContext, Strategy]:
     gpus = check_topology(cfg, strategy_name, env.world_size, env.local_world_size, training)
-    ctx = dist.setup(env, gpus, strategy_name == "ddp", cfg.threads, cfg.dist_timeout_s)
+    ctx = dist.setup(env, gpus, strategy_name == "ddp", cfg.threads, cfg.dist_timeout_s, cfg.net.socket_ifname)
     set_cudnn_benchmark(cfg.cudnn_benchmark)
     precision = Precision(cfg.precision, ctx.device.type)
     return ctx, make_strategy(strategy_name, ctx, precision, gpus)

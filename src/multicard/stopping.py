@@ -1,4 +1,7 @@
-"""Graceful stop: SIGTERM or SIGINT asks every rank to checkpoint and exit at a step boundary.
+"""Graceful stop: SIGTERM, SIGINT or SIGUSR1 asks every rank to checkpoint and exit at a step boundary.
+
+SIGUSR1 is the warning a Slurm job asks for before its time limit (`--signal=USR1@120`):
+the job checkpoints, exits 138, and its requeued run resumes (examples/slurm/train.sbatch).
 
 The handler only records the signal. At each optimizer step the ranks agree on it with a
 small all-reduce on the CPU, started one step and collected the next, so the check never
@@ -14,7 +17,7 @@ from typing import Any
 
 from multicard.errors import MulticardError
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Stopped(MulticardError):
