@@ -39,7 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="cifar10_fast.yaml")
     p.add_argument("--root", default="../shared/data/cifar10")
-    p.add_argument("--hooks", default="none,fp16,bf16,powersgd")
+    p.add_argument("--hooks", default="none,fp16,bf16", help="add powersgd on GPUs")
     p.add_argument("--epochs", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench-compression")

@@ -44,19 +44,31 @@ def test_ddp2_equals_single_process_after_5_steps(single_run, tmp_path, accum):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 5
 
 
-@pytest.mark.parametrize("hook, start", [("fp16", 2), ("powersgd", 2)])
-def test_gradient_compression_is_opt_in_and_changes_the_maths(single_run, tmp_path, hook, start):
-    """A compression hook trains (finite, close to exact) but not exactly: that is why it is opt-in."""
-    result = cli(
-        "train", "--nproc-per-node", "2", *PARITY, "precision=fp32", f"ddp.comm_hook={hook}",
-        f"ddp.powersgd_start_step={start}", "ddp.powersgd_rank=2", f"out_dir={tmp_path}",
-    )  # fmt: skip
+def _compressed_vs_exact(tmp_path, devices: str, hook: str) -> float:
+    """Max relative parameter difference of a ddp×2 run with `hook` against exact all-reduce."""
+    common = ["--nproc-per-node", "2", *PARITY, "precision=fp32", f"devices={devices}"]
+    result = cli("train", *common, f"ddp.comm_hook={hook}", "ddp.powersgd_start_step=2", f"out_dir={tmp_path / hook}")
     assert result.returncode == 0, result.stderr
-    exact = tmp_path.parent / f"{hook}-exact"
-    assert cli("train", "--nproc-per-node", "2", *PARITY, "precision=fp32", f"out_dir={exact}").returncode == 0
-    diff = _max_rel_diff(_params(tmp_path), _params(exact))
-    assert 0 < diff < 0.5
-    assert all(torch.isfinite(v).all() for v in _params(tmp_path).values() if v.is_floating_point())
+    assert cli("train", *common, f"out_dir={tmp_path / 'exact'}").returncode == 0
+    compressed = _params(tmp_path / hook)
+    assert all(torch.isfinite(v).all() for v in compressed.values() if v.is_floating_point())
+    return _max_rel_diff(compressed, _params(tmp_path / "exact"))
+
+
+def test_gradient_compression_is_opt_in_and_changes_the_maths(tmp_path):
+    """fp16 all-reduce trains (finite, close to exact) but not exactly: that is why it is opt-in."""
+    assert 0 < _compressed_vs_exact(tmp_path, "cpu", "fp16") < 0.5
+
+
+def test_powersgd_on_cpu_is_refused_in_one_line(tmp_path):
+    result = cli("train", "--nproc-per-node", "2", *PARITY, "ddp.comm_hook=powersgd", f"out_dir={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "needs CUDA GPUs (NCCL)" in result.stderr
+
+
+@requires_2_gpus
+def test_cuda_powersgd_trains_close_to_exact(tmp_path):
+    assert 0 < _compressed_vs_exact(tmp_path, "[0,1]", "powersgd") < 0.5
 
 
 def test_ddp2_with_sync_bn_on_cpu_equals_single_process_with_batchnorm(tmp_path):

@@ -98,7 +98,7 @@ class DDPConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     # Opt-in gradient compression; changes the maths (see docs/benchmarks.md for its accuracy effect):
-    # none | fp16 | bf16 (all-reduce in 16 bits) | powersgd (low-rank, with error feedback)
+    # none | fp16 | bf16 (all-reduce in 16 bits) | powersgd (low-rank, with error feedback; CUDA only)
     comm_hook: str = "none"
     powersgd_rank: int = 1  # powersgd: rank of the gradient approximation
     powersgd_start_step: int = 10  # powersgd: plain all-reduce before this optimizer step

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -106,6 +106,15 @@ def _rendezvous(options: LaunchOptions, addr: str, port: int) -> dict:
     }
 
 
+def _cause(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that ended the job: a rank that exited with one of our own codes (it said
+    why) rather than a peer that then lost its connection to it; else the first to fail."""
+    reported = [(rank, f) for rank, f in exc.failures.items() if f.exitcode in REPORTED_CODES]
+    if reported:
+        return min(reported, key=lambda item: item[1].timestamp)
+    return exc.get_first_failure()
+
+
 def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str = "multicard") -> int:
     """Run `python -m <module> <worker_argv>` in nproc_per_node workers; return the exit code.
 
@@ -143,7 +152,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
     except RendezvousError as exc:
         raise UserError(f"rendezvous at {addr}:{port} failed ({exc}); see docs/multinode.md") from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()  # the cause, not a worker the agent then stopped
+        rank, failure = _cause(exc)
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         if code not in REPORTED_CODES:
             print(f"multicard: error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)

@@ -56,6 +56,13 @@ def check_topology(
             "strategy=dp needs CUDA GPUs and none is in use; use strategy=ddp with "
             "--nproc-per-node N for several CPU processes, or strategy=single"
         )
+    if cfg.ddp.comm_hook == "powersgd" and strategy == "ddp" and not gpus:
+        # torch's PowerSGD hook waits for a second all-reduce inside gloo's worker threads: with
+        # several gradient buckets those threads block each other and the job hangs.
+        raise UserError(
+            "ddp.comm_hook=powersgd needs CUDA GPUs (NCCL); on CPU (gloo) it can deadlock. "
+            "Use ddp.comm_hook=fp16 or bf16 on CPU"
+        )
     if cfg.sync_bn and strategy == "dp":
         raise UserError("sync_bn=true is not supported by strategy=dp (each replica normalises its chunk); use ddp")
     if cfg.compile and strategy == "dp" and len(gpus) > 1:

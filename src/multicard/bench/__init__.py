@@ -24,6 +24,7 @@ from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
 from multicard.config import load_config
 from multicard.dist import cpu_cores, cuda_count
 from multicard.errors import UserError
+from multicard.run import check_topology
 
 WORKLOAD = {
     "model.name": "resnet18",
@@ -84,6 +85,12 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
         options.runners, options.strategies, options.world_sizes, options.precisions, options.variants, gpus, cores
     )
     configs = {cell: cell_config(base, cell, gpus, out / "work" / f"cell-{i}") for i, cell in enumerate(plan.cells)}
+    for cell in list(plan.cells):  # what `multicard train` would refuse here is a skipped cell, with its reason
+        try:
+            check_topology(configs[cell], cell.strategy, cell.processes, cell.processes)
+        except UserError as exc:
+            plan.cells.remove(cell)
+            plan.skipped.append((cell, str(exc)))
     timing = Timing(options.warmup, options.steps, options.repeats)
     console.print(
         f"multicard bench: {len(plan.cells)} cell(s) × {options.repeats} repeat(s), {len(plan.skipped)} skipped; "

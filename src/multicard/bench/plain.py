@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from multicard.bench.measure import StepClock, summary_ms
+from multicard.data.synthetic import make_synthetic
 from multicard.dist import cpu_cores, detect_env
 from multicard.models import build_model
 
@@ -45,12 +46,11 @@ def optimizer_for(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def device_batches(cfg: DictConfig, device: torch.device, batch: int, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Endless (x, y) batches gathered from random uint8 images resident on the device."""
+    """Endless (x, y) batches gathered from the embedded dataset's images, resident on the device."""
     n, size = cfg.data.train_size, cfg.data.image_size
-    g = torch.Generator().manual_seed(cfg.seed + rank)
-    images = torch.randint(0, 256, (n, 3, size, size), generator=g, dtype=torch.uint8).to(device)
-    labels = torch.randint(0, cfg.data.num_classes, (n,), generator=g).to(device)
-    order = torch.randperm(n, generator=g).to(device)
+    images, labels = make_synthetic(n, size, cfg.seed, cfg.data.num_classes)  # the embedded dataset's images
+    images, labels = images.to(device), labels.to(device)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + rank)).to(device)
     step = 0
     while True:
         idx = order[(step * batch) % (n - batch + 1) :][:batch]

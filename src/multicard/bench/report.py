@@ -69,15 +69,25 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    ok = [row for row in rows if row["status"] == "ok"]
+    singles = {(r["runner"], r["precision"]): r for r in ok if r["strategy"] == "single"}
+
+    def point(row: dict[str, Any]) -> tuple[int, float, float | None]:
+        eff = row.get("efficiency")
+        return row["world_size"], row["img_per_s"], eff["median"] if eff else None
+
+    # One line per runner × strategy × precision × variant, starting from the same runner's single.
     lines: dict[str, list[tuple[int, float, float | None]]] = {}
-    for row in rows:
-        if row["status"] != "ok":
+    for row in ok:
+        if row["strategy"] == "single":
             continue
         key = f"{row['runner']} {row['strategy']} {row['precision']}"
         if row.get("variant", "default") != "default":
             key += f" +{row['variant']}"
-        eff = row.get("efficiency")
-        lines.setdefault(key, []).append((row["world_size"], row["img_per_s"], eff["median"] if eff else None))
+        single = singles.get((row["runner"], row["precision"]))
+        lines.setdefault(key, [point(single)] if single else []).append(point(row))
+    if not lines:  # single cells only: one point each
+        lines = {f"{r['runner']} single {r['precision']}": [point(r)] for r in singles.values()}
     fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
     for key, points in sorted(lines.items()):
         points.sort()

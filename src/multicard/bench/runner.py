@@ -8,6 +8,7 @@ median and spread are reported.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 from multicard.bench.cells import DEFAULT_VARIANT, Cell
 from multicard.config import config_from_dict, to_dict
 from multicard.launch import LaunchOptions, launch_workers
+from multicard.stopping import Stopped
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ def run_cell(cell: Cell, cfg: DictConfig, timing: Timing, workdir: Path) -> dict
     }
     spec_path.write_text(json.dumps(spec))
     code = launch_workers(LaunchOptions(nproc_per_node=cell.processes), [str(spec_path)], "multicard.bench.worker")
+    if code in (130, 138, 143):  # a signal stopped the cell: stop the whole matrix, not just this cell
+        raise Stopped(f"bench stopped by {signal.Signals(code - 128).name}", code - 128)
     if code != 0 or not result_path.exists():
         return {"failed": f"worker exited with code {code}"}
     return json.loads(result_path.read_text())
