@@ -137,3 +137,18 @@ def test_bench_bad_flag_is_one_line(tmp_path):
     result = cli("bench", "--runners", "multicard,torch", "--out", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "--runners torch" in result.stderr
+
+
+def test_lightning_and_accelerate_rows_when_the_bench_extra_is_installed(tmp_path):
+    pytest.importorskip("lightning", reason="the bench extra (lightning) is not installed")
+    pytest.importorskip("accelerate", reason="the bench extra (accelerate) is not installed")
+    out = tmp_path / "bench"
+    result = cli(
+        "bench", "--runners", "plain,lightning,accelerate", "--strategies", "single", "--warmup", "1",
+        "--steps", "2", "--out", str(out), "model.name=smallcnn", "data.image_size=16", "train.global_batch_size=32",
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["runner"]: r for r in json.loads((out / "bench.json").read_text())}
+    assert {rows[k]["status"] for k in ("lightning", "accelerate")} == {"ok"}
+    assert rows["lightning"]["vs_plain"]["median"] > 0 and rows["accelerate"]["step_ms_median"] > 0
