@@ -16,6 +16,7 @@ by SIGINT / SIGUSR1 / SIGTERM after a checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -193,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         env = detect_env()
         where = f" (rank {env.rank})" if env.world_size > 1 else ""
         print(f"multicard: error{where}: {exc}", file=sys.stderr)
+        if env.launched and env.world_size > 1:
+            # End now, before interpreter shutdown closes this rank's connections: a peer that
+            # loses them must not exit first, or the launcher would report its error, not ours.
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)

@@ -167,7 +167,8 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _threads(requested: int, local_world_size: int) -> int:
+def threads_per_process(requested: int, local_world_size: int) -> int:
+    """`threads` if set, else this machine's cores shared out among its processes."""
     if requested:
         return requested
     return max(1, cpu_cores() // max(1, local_world_size))
@@ -217,7 +218,7 @@ def setup(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    torch.set_num_threads(_threads(threads, env.local_world_size if distributed else 1))
+    torch.set_num_threads(threads_per_process(threads, env.local_world_size if distributed else 1))
     if distributed and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         select_interface(socket_ifname)

@@ -171,9 +171,9 @@ class Trainer:
 
     # ------------------------------------------------------------ resume
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint (of any strategy and world size with this global batch)."""
-        self.bare.load_state_dict(state["model"])
+    def restore(self, state: dict[str, Any], path: str | Path) -> None:
+        """Continue from the checkpoint at `path` (any strategy and world size, this global batch)."""
+        checkpoint.load_model_state(self.bare, state["model"], path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -104,6 +106,19 @@ def _rendezvous(options: LaunchOptions, addr: str, port: int) -> dict:
         # Rank 0's agent hands its workers a store at this address; the other nodes must reach it.
         "local_addr": route_addr(addr, port),
     }
+
+
+def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, dict | None]:
+    """Run `python -m <module> workdir/spec.json` in nproc workers (bench cells, verify runs).
+
+    The spec gets a "result" path for rank 0's JSON answer; returns (exit code, that answer).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = workdir / "result.json"
+    result.unlink(missing_ok=True)
+    (workdir / "spec.json").write_text(json.dumps({**spec, "result": str(result)}))
+    code = launch_workers(LaunchOptions(nproc_per_node=nproc), [str(workdir / "spec.json")], module)
+    return code, json.loads(result.read_text()) if code == 0 and result.exists() else None
 
 
 def _cause(exc: ChildFailedError) -> tuple[int, ProcessFailure]:

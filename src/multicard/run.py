@@ -139,6 +139,7 @@ def session(cfg: DictConfig, env: dist.ProcessEnv, quiet: bool = False) -> Itera
     ctx, strategy = _start(cfg, env, strategy_name, training=True)
     reporter = Reporter(ctx.is_main and not quiet, None)
     data = None
+    failed = False
     try:
         plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
         data = build_data(
@@ -153,11 +154,18 @@ def session(cfg: DictConfig, env: dist.ProcessEnv, quiet: bool = False) -> Itera
             cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir
         )
         yield Session(cfg, ctx, strategy, plan, data, trainer, reporter)
+    except BaseException:
+        # Leave the process group open on the way out: peers must see this rank's connections
+        # close only when it has exited, so the launcher reports this rank's exit code and message
+        # rather than a peer's "connection closed" (cli.main exits at once after the message).
+        failed = ctx.world_size > 1
+        raise
     finally:
         if data is not None:
             data.close()
         reporter.close()
-        dist.teardown()
+        if not failed:
+            dist.teardown()
 
 
 def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
@@ -177,8 +185,7 @@ def train(cfg: DictConfig, env: dist.ProcessEnv) -> EvalResult | None:
             f"(micro-batch {plan.micro_batch} × {s.ctx.world_size} process(es) × {plan.grad_accum} accum)"
         )
         if state is not None:
-            checkpoint.load_model_state(trainer.bare, state["model"], resume_from)
-            trainer.restore(state)
+            trainer.restore(state, resume_from)
             restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             again = f" (after restart {restarts})" if restarts != "0" else ""
             reporter.print(

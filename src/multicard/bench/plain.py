@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from multicard.bench.measure import StepClock, summary_ms
 from multicard.data.synthetic import make_synthetic
-from multicard.dist import cpu_cores, detect_env
+from multicard.dist import detect_env, threads_per_process
 from multicard.models import build_model
 
 
@@ -28,7 +28,7 @@ def device_for(cfg: DictConfig, local_rank: int) -> torch.device:
 
 
 def set_threads(cfg: DictConfig, processes: int) -> None:
-    torch.set_num_threads(cfg.threads or max(1, cpu_cores() // processes))
+    torch.set_num_threads(threads_per_process(cfg.threads, processes))  # as multicard sets them
 
 
 def model_for(cfg: DictConfig, device: torch.device) -> nn.Module:

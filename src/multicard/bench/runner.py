@@ -7,7 +7,6 @@ median and spread are reported.
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from omegaconf import DictConfig
 
 from multicard.bench.cells import DEFAULT_VARIANT, Cell
 from multicard.config import config_from_dict, to_dict
-from multicard.launch import LaunchOptions, launch_workers
+from multicard.launch import run_spec
 from multicard.stopping import Stopped
 
 
@@ -49,23 +48,11 @@ def cell_config(base: DictConfig, cell: Cell, gpus: int, out_dir: Path) -> DictC
 
 def run_cell(cell: Cell, cfg: DictConfig, timing: Timing, workdir: Path) -> dict[str, Any]:
     """Launch the cell's processes through torchrun's API; its rank 0's result, or the failure."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path = workdir / "spec.json", workdir / "result.json"
-    result_path.unlink(missing_ok=True)
-    spec = {
-        "cell": cell.as_dict(),
-        "config": to_dict(cfg),
-        "warmup": timing.warmup,
-        "steps": timing.steps,
-        "result": str(result_path),
-    }
-    spec_path.write_text(json.dumps(spec))
-    code = launch_workers(LaunchOptions(nproc_per_node=cell.processes), [str(spec_path)], "multicard.bench.worker")
+    spec = {"cell": cell.as_dict(), "config": to_dict(cfg), "warmup": timing.warmup, "steps": timing.steps}
+    code, result = run_spec("multicard.bench.worker", spec, cell.processes, workdir)
     if code in (130, 138, 143):  # a signal stopped the cell: stop the whole matrix, not just this cell
         raise Stopped(f"bench stopped by {signal.Signals(code - 128).name}", code - 128)
-    if code != 0 or not result_path.exists():
-        return {"failed": f"worker exited with code {code}"}
-    return json.loads(result_path.read_text())
+    return result if result is not None else {"failed": f"worker exited with code {code}"}
 
 
 def run_matrix(

@@ -8,7 +8,6 @@ sample is used once per epoch with a new order each epoch.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from rich.console import Console
 
 from multicard.config import config_from_dict, load_config, to_dict
 from multicard.errors import MulticardError, UserError
-from multicard.launch import LaunchOptions, launch_workers
+from multicard.launch import run_spec
 from multicard.models import build_model
 from multicard.verify.checks import (
     Outcome,
@@ -49,20 +48,17 @@ class VerifyOptions:
 
 
 def _run(cfg: DictConfig, nproc: int, steps: int, workdir: Path, fault: str | None, reference: Path | None) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
     spec = {
         "config": to_dict(cfg),
         "steps": steps,
         "fault": fault,
         "reference": str(reference) if reference else None,
         "params": str(workdir / "params.pt"),
-        "result": str(workdir / "result.json"),
     }
-    (workdir / "spec.json").write_text(json.dumps(spec))
-    code = launch_workers(LaunchOptions(nproc_per_node=nproc), [str(workdir / "spec.json")], "multicard.verify.worker")
-    if code != 0:
+    code, result = run_spec("multicard.verify.worker", spec, nproc, workdir)
+    if result is None:
         raise MulticardError(f"the {nproc}-process verify run failed with exit code {code} (its error is above)")
-    return json.loads((workdir / "result.json").read_text())
+    return result
 
 
 def verify(options: VerifyOptions, console: Console | None = None) -> list[Outcome]:
