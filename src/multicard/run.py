@@ -19,12 +19,12 @@ from multicard.config import config_from_dict, parse_devices, to_yaml
 from multicard.data import Data, build_data
 from multicard.data.sampling import BatchPlan
 from multicard.engine import EvalResult, Trainer, evaluate, total_steps
-from multicard.errors import UserError
+from multicard.errors import MulticardError, UserError
 from multicard.kernels import set_cudnn_benchmark
 from multicard.models import build_model
 from multicard.optim import build_optimizer, build_scheduler
 from multicard.precision import Precision
-from multicard.stopping import GracefulStop
+from multicard.stopping import GracefulStop, Stopped
 from multicard.strategy import Strategy, make_strategy
 from multicard.telemetry import Reporter
 
@@ -139,7 +139,7 @@ def session(cfg: DictConfig, env: dist.ProcessEnv, quiet: bool = False) -> Itera
     ctx, strategy = _start(cfg, env, strategy_name, training=True)
     reporter = Reporter(ctx.is_main and not quiet, None)
     data = None
-    failed = False
+    keep_group = False
     try:
         plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
         data = build_data(
@@ -154,17 +154,18 @@ def session(cfg: DictConfig, env: dist.ProcessEnv, quiet: bool = False) -> Itera
             cfg, strategy, model, optimizer, scheduler, data.train, data.val, steps_per_epoch, reporter, out_dir
         )
         yield Session(cfg, ctx, strategy, plan, data, trainer, reporter)
-    except BaseException:
-        # Leave the process group open on the way out: peers must see this rank's connections
-        # close only when it has exited, so the launcher reports this rank's exit code and message
-        # rather than a peer's "connection closed" (cli.main exits at once after the message).
-        failed = ctx.world_size > 1
+    except MulticardError as exc:
+        # An error of this rank alone: leave the process group open on the way out, so peers see
+        # its connections close only once it has exited (cli.main exits right after the message)
+        # and the launcher reports this rank's exit code, not a peer's "connection closed".
+        # A graceful stop is every rank's decision: it tears down as usual.
+        keep_group = ctx.world_size > 1 and not isinstance(exc, Stopped)
         raise
     finally:
         if data is not None:
             data.close()
         reporter.close()
-        if not failed:
+        if not keep_group:
             dist.teardown()
 
 
