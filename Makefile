@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-fast lint install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest
+
+# The unit tests alone (no multi-process or end-to-end runs): under a minute, for work in progress.
+test-fast: $(VENV)/.installed-dev
+	$(PY) -m pytest -m "not distributed and not slow"
 
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check src tests

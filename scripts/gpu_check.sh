@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one command (under 8 minutes on one H100/H200-class GPU):
-#   (a) the CUDA-marked tests; (b) every GPU path trained briefly (bench/gpu_matrix.py);
-#   (c) single-GPU throughput and MFU of resnet18_cifar (bench/gpu_throughput.py);
-#   (d) OUT_DIR/summary.json and summary.md, and the table on stdout (bench/gpu_summary.py).
+#   (a) the CUDA-marked tests; (b) every GPU path trained briefly (scripts/gpu_check/matrix.py);
+#   (c) single-GPU throughput and MFU of resnet18_cifar (scripts/gpu_check/throughput.py);
+#   (d) OUT_DIR/summary.json and summary.md, and the table on stdout (scripts/gpu_check/summary.py).
 #
 #   bash scripts/gpu_check.sh OUT_DIR
 #
@@ -34,7 +34,7 @@ if [[ -z $PY ]]; then
     echo "gpu_check: no python with torch found (set PYTHON=/path/to/python)" >&2
     exit 2
 fi
-export PYTHONPATH="$ROOT/src:$ROOT/bench:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT/src:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 # Projects whose modules are missing, as pip names (--no-deps: each dependency is listed).
@@ -55,7 +55,7 @@ if [[ -n $missing ]]; then
         echo "gpu_check: could not install $missing (run scripts/gpu_wheels.sh where PyPI is reachable and bring wheelhouse/)" >&2
     fi
 fi
-"$PY" -c "import multicard.run" || echo "gpu_check: multicard cannot be imported; the steps below will fail" >&2
+"$PY" -c "import multicard.commands" || echo "gpu_check: multicard cannot be imported; the steps below will fail" >&2
 
 # Each step: its exit code and seconds go to steps.json; a stuck step is stopped by timeout.
 declare -A RC SECONDS_TAKEN
@@ -72,8 +72,8 @@ step() {
 # Limits add up to 470 s; expected on one H200: about 6-7 minutes in all. The matrix starts no
 # run after its budget and writes its JSON after every run, so a stopped matrix still reports.
 step cuda_tests 130 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests
-step matrix 240 "$PY" bench/gpu_matrix.py --out "$OUT/matrix" --budget-s 190
-step throughput 100 "$PY" bench/gpu_throughput.py --out "$OUT/throughput" --timeout-s 90
+step matrix 240 "$PY" scripts/gpu_check/matrix.py --out "$OUT/matrix" --budget-s 190
+step throughput 100 "$PY" scripts/gpu_check/throughput.py --out "$OUT/throughput" --timeout-s 90
 
 {
     echo "{"
@@ -86,4 +86,4 @@ step throughput 100 "$PY" bench/gpu_throughput.py --out "$OUT/throughput" --time
 } >"$OUT/steps.json"
 
 echo "== summary ($OUT/summary.json, $OUT/summary.md)"
-"$PY" bench/gpu_summary.py "$OUT"
+"$PY" scripts/gpu_check/summary.py "$OUT"

@@ -1,14 +1,19 @@
-"""Shared helpers: small, fast training settings and a runner for the real CLI."""
+"""Shared helpers: small, fast training settings, runners for the real CLI, process-tree and
+checkpoint helpers, and the hook that skips `cuda`-marked tests on machines without CUDA."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Tiny runs: 16×16 images, a few hundred steps at most; enough to exercise every path.
 TINY = [
@@ -35,33 +40,129 @@ LEARN = [
     "log_every=20",
 ]
 
+# Variables a launcher sets: a test process must not hand its own (if any) to the runs it starts.
+LAUNCHER_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda`-marked tests skip themselves where CUDA is absent."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+requires_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without launcher or Slurm variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
+    return {**env, **(extra or {})}
+
 
 def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m multicard ARGS` in a fresh process; capture its output."""
-    full_env = {**os.environ, **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        full_env.pop(name, None)
     return subprocess.run(
-        [sys.executable, "-m", "multicard", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
+        [sys.executable, "-m", "multicard", *args], capture_output=True, text=True, timeout=timeout, env=clean_env(env)
     )
+
+
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start `python -m multicard ARGS` in a session of its own (for signals); do not wait."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "multicard", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(env), start_new_session=True,
+    )  # fmt: skip
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+        capture_output=True, text=True, timeout=timeout, env=clean_env(),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ checkpoints and parameters
 
 
 def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-requires_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def final_params(out_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest ‖a − b‖ / ‖b‖ over floating tensors; integer tensors (counters) must be equal."""
+    assert a.keys() == b.keys()
+    floats = [k for k in b if b[k].is_floating_point()]
+    assert all(torch.equal(a[k], b[k]) for k in b if k not in floats)  # counters such as num_batches_tracked
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in floats)
+
+
+# ------------------------------------------------------------------ processes
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 120.0, what: str = "condition") -> None:
+    """Poll a condition on the file system or process table (not a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def parents() -> dict[int, int]:
+    """pid → parent pid of every live (non-zombie) process, from /proc."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    tree = parents()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in tree.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` that are still running (zombies count as gone)."""
+    return pids & set(parents())
+
+
+def worker_pid(launcher: int, rank: int) -> int | None:
+    """The trainer process of `rank` under the launcher (not its data-loader children)."""
+    tree = parents()
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            parent_env = Path(f"/proc/{tree.get(pid, 1)}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and f"LOCAL_RANK={rank}".encode() in environ:
+            if f"RANK={rank}".encode() not in parent_env:
+                return pid
+    return None

@@ -99,6 +99,7 @@ def test_summary_of_step_times():
     assert s["p10"] < s["median"] < s["p90"] < 100.0
 
 
+@pytest.mark.distributed
 def test_tiny_matrix_writes_json_and_png(tmp_path):
     out = tmp_path / "bench"
     result = cli(
@@ -139,6 +140,7 @@ def test_bench_bad_flag_is_one_line(tmp_path):
     assert result.stderr.count("\n") == 1 and "--runners torch" in result.stderr
 
 
+@pytest.mark.distributed
 def test_lightning_and_accelerate_rows_when_the_bench_extra_is_installed(tmp_path):
     pytest.importorskip("lightning", reason="the bench extra (lightning) is not installed")
     pytest.importorskip("accelerate", reason="the bench extra (accelerate) is not installed")

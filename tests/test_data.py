@@ -12,9 +12,12 @@ import torch
 from PIL import Image
 
 from multicard.config import load_config
-from multicard.data import build_data, decode, read_splits
+from multicard.data import build_data as build_loaders
+from multicard.data import decode
+from multicard.data import read_splits as read_sources
 from multicard.data.sampling import BatchPlan
 from multicard.errors import UserError
+from multicard.process_group import ProcessContext
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
 CPU = torch.device("cpu")
@@ -40,6 +43,15 @@ def decode_ids(x: torch.Tensor) -> torch.Tensor:
 
 def config(*overrides: str):
     return load_config(None, list(overrides))
+
+
+def build_data(cfg, plan, rank, world, device):
+    """This rank's loaders, as a process of a `world`-process job would build them."""
+    return build_loaders(cfg.data, cfg.seed, plan, ProcessContext(rank, 0, world, 1, device, distributed=False))
+
+
+def read_splits(cfg):
+    return read_sources(cfg.data, cfg.seed)
 
 
 def folder_config(root: Path, *extra: str):

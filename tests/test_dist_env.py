@@ -1,9 +1,9 @@
 import pytest
 
-from multicard import dist, run
+from multicard import process_group, topology
 from multicard.config import load_config
-from multicard.dist import detect_env, expand_hostlist, select_interface, tasks_on_node
 from multicard.errors import UserError
+from multicard.process_group import detect_env, expand_hostlist, select_interface, tasks_on_node
 
 
 def test_plain_process_is_world_size_one():
@@ -27,7 +27,7 @@ def test_srun_variables_with_compressed_node_list():
     )
     assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 6, 8, 2, 4)
     assert env.node_rank == 1 and env.master_addr == "gpu07"
-    assert env.master_port == dist.SLURM_DEFAULT_PORT_BASE + 4242
+    assert env.master_port == process_group.SLURM_DEFAULT_PORT_BASE + 4242
 
 
 def test_sbatch_script_without_srun_is_one_plain_process():
@@ -106,30 +106,31 @@ def test_bad_variable_is_a_user_error():
 
 
 def test_nproc_larger_than_gpus_is_refused(monkeypatch):
-    monkeypatch.setattr(dist, "cuda_count", lambda: 2)
-    cfg = load_config(None, ["train.global_batch_size=64"])
+    monkeypatch.setattr(process_group, "cuda_count", lambda: 2)
+    cfg = load_config(None, ["train.global_batch_size=64", "strategy=ddp"])
     with pytest.raises(UserError, match="lower --nproc-per-node to 2"):
-        run.check_topology(cfg, "ddp", world_size=4, local_world_size=4)
-    assert run.check_topology(cfg, "ddp", world_size=2, local_world_size=2) == [0, 1]
+        topology.resolve(cfg, world_size=4, local_world_size=4, launched=True)
+    assert topology.resolve(cfg, world_size=2, local_world_size=2, launched=True).gpus == [0, 1]
 
 
 def test_more_gpus_than_exist_is_refused(monkeypatch):
-    monkeypatch.setattr(dist, "cuda_count", lambda: 2)
-    cfg = load_config(None, ["devices=[0,3]"])
+    monkeypatch.setattr(process_group, "cuda_count", lambda: 2)
+    cfg = load_config(None, ["devices=[0,3]", "strategy=single"])
     with pytest.raises(UserError, match="only 2 GPU"):
-        run.check_topology(cfg, "single", 1, 1)
+        topology.resolve(cfg, 1, 1, launched=False)
 
 
 def test_dp_batch_must_split_over_its_gpus(monkeypatch):
-    monkeypatch.setattr(dist, "cuda_count", lambda: 3)
+    monkeypatch.setattr(process_group, "cuda_count", lambda: 3)
     cfg = load_config(None, ["train.global_batch_size=64", "strategy=dp"])
     with pytest.raises(UserError, match="multiple of 3"):
-        run.check_topology(cfg, "dp", 1, 1)
+        topology.resolve(cfg, 1, 1, launched=False)
 
 
 def test_single_strategy_refuses_several_processes():
     env = detect_env({"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UserError, match="use strategy=ddp"):
-        run.resolve_strategy("single", env)
-    assert run.resolve_strategy("auto", env) == "ddp"
-    assert run.resolve_strategy("auto", detect_env({})) == "single"
+        topology.resolve_strategy("single", env.launched, env.world_size)
+    assert topology.resolve_strategy("auto", env.launched, env.world_size) == "ddp"
+    plain = detect_env({})
+    assert topology.resolve_strategy("auto", plain.launched, plain.world_size) == "single"

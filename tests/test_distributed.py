@@ -8,22 +8,12 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY, cli, load_checkpoint, requires_2_gpus
+from conftest import TINY, cli, final_params, load_checkpoint, max_rel_diff, requires_2_gpus
 
 pytestmark = pytest.mark.distributed
 
 # float64, a model without BatchNorm, augmentation on (the default): 5 optimizer steps.
 PARITY = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "train.max_steps=5", "data.val_size=64"]
-
-
-def _params(out_dir):
-    return load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
-
-
-def _max_rel_diff(a, b):
-    floats = [k for k in b if b[k].is_floating_point()]
-    assert all(torch.equal(a[k], b[k]) for k in b if k not in floats)  # counters such as num_batches_tracked
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in floats)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +28,9 @@ def single_run(tmp_path_factory):
 def test_ddp2_equals_single_process_after_5_steps(single_run, tmp_path, accum):
     result = cli("train", "--nproc-per-node", "2", *PARITY, f"train.grad_accum={accum}", f"out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
-    single, ddp = _params(single_run), _params(tmp_path)
-    assert _params(single_run).keys() == ddp.keys()
-    assert _max_rel_diff(ddp, single) < 1e-10
+    single, ddp = final_params(single_run), final_params(tmp_path)
+    assert final_params(single_run).keys() == ddp.keys()
+    assert max_rel_diff(ddp, single) < 1e-10
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 5
 
 
@@ -50,9 +40,9 @@ def _compressed_vs_exact(tmp_path, devices: str, hook: str) -> float:
     result = cli("train", *common, f"ddp.comm_hook={hook}", "ddp.powersgd_start_step=2", f"out_dir={tmp_path / hook}")
     assert result.returncode == 0, result.stderr
     assert cli("train", *common, f"out_dir={tmp_path / 'exact'}").returncode == 0
-    compressed = _params(tmp_path / hook)
+    compressed = final_params(tmp_path / hook)
     assert all(torch.isfinite(v).all() for v in compressed.values() if v.is_floating_point())
-    return _max_rel_diff(compressed, _params(tmp_path / "exact"))
+    return max_rel_diff(compressed, final_params(tmp_path / "exact"))
 
 
 def test_gradient_compression_is_opt_in_and_changes_the_maths(tmp_path):
@@ -67,6 +57,7 @@ def test_powersgd_on_cpu_is_refused_in_one_line(tmp_path):
 
 
 @requires_2_gpus
+@pytest.mark.cuda
 def test_cuda_powersgd_trains_close_to_exact(tmp_path):
     assert 0 < _compressed_vs_exact(tmp_path, "[0,1]", "powersgd") < 0.5
 
@@ -79,24 +70,24 @@ def test_ddp2_with_sync_bn_on_cpu_equals_single_process_with_batchnorm(tmp_path)
     synced = tmp_path / "synced"
     result = cli("train", "--nproc-per-node", "2", *with_bn, "sync_bn=true", f"out_dir={synced}")
     assert result.returncode == 0, result.stderr
-    assert _max_rel_diff(_params(synced), _params(single)) < 1e-10  # running stats included
+    assert max_rel_diff(final_params(synced), final_params(single)) < 1e-10  # running stats included
     per_rank = tmp_path / "per_rank"
     assert cli("train", "--nproc-per-node", "2", *with_bn, f"out_dir={per_rank}").returncode == 0
-    assert _max_rel_diff(_params(per_rank), _params(single)) > 1e-6  # without it, BN differs
+    assert max_rel_diff(final_params(per_rank), final_params(single)) > 1e-6  # without it, BN differs
 
 
 def test_parity_would_catch_a_different_data_order(single_run, tmp_path):
     """Same run with another seed for the data order differs: the check above can fail."""
     result = cli("train", *PARITY, "train.grad_accum=2", "seed=1", f"out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
-    assert _max_rel_diff(_params(tmp_path), _params(single_run)) > 1e-6
+    assert max_rel_diff(final_params(tmp_path), final_params(single_run)) > 1e-6
 
 
 def test_eval_is_exact_for_world_sizes_1_2_3(single_run):
     ckpt = str(single_run / "checkpoints" / "last.pt")
     results = []
     for nproc in (1, 2, 3):
-        launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+        launch = ["--nproc-per-node", str(nproc), "--oversubscribe"] if nproc > 1 else []
         result = cli("eval", "--checkpoint", ckpt, "--json", *launch, "data.val_size=1001")
         assert result.returncode == 0, result.stderr
         results.append(json.loads(result.stdout.strip().splitlines()[-1]))
@@ -128,7 +119,7 @@ def test_two_nodes_on_loopback_equal_one_node(single_run, tmp_path):
             node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "world_size=2" in outputs[0][0]
-    assert _max_rel_diff(_params(out), _params(single_run)) < 1e-10
+    assert max_rel_diff(final_params(out), final_params(single_run)) < 1e-10
 
 
 @requires_2_gpus
@@ -138,4 +129,4 @@ def test_cuda_ddp2_nccl_equals_single_gpu(tmp_path):
     assert cli("train", *PARITY, "devices=[0]", f"out_dir={single}").returncode == 0
     result = cli("train", "--nproc-per-node", "2", *PARITY, "devices=[0,1]", f"out_dir={ddp}")
     assert result.returncode == 0, result.stderr
-    assert _max_rel_diff(_params(ddp), _params(single)) < 1e-10
+    assert max_rel_diff(final_params(ddp), final_params(single)) < 1e-10

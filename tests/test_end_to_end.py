@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import LEARN, cli, load_checkpoint, requires_2_gpus, requires_cuda, torchrun
+from conftest import LEARN, cli, load_checkpoint, requires_2_gpus, torchrun
 from multicard.models import build_model
 
 pytestmark = pytest.mark.slow
@@ -38,6 +38,7 @@ def test_single_process(tmp_path):
     assert f"top-1 {last['val_top1']:.2f}%" in result.stdout
 
 
+@pytest.mark.distributed
 def test_builtin_launcher_two_processes(tmp_path):
     result = cli("train", "--nproc-per-node", "2", *LEARN, f"out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
@@ -45,6 +46,7 @@ def test_builtin_launcher_two_processes(tmp_path):
     assert "strategy=ddp world_size=2" in result.stdout
 
 
+@pytest.mark.distributed
 def test_torchrun_unchanged(tmp_path):
     args = ["--standalone", "--nproc-per-node", "2", "-m", "multicard", "train", *LEARN, f"out_dir={tmp_path}"]
     result = torchrun(*args)
@@ -52,7 +54,6 @@ def test_torchrun_unchanged(tmp_path):
     _check_run(tmp_path, world_size=2)
 
 
-@requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_cuda_single(tmp_path, precision):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "scripts" / "gpu_check"))  # the check's scripts import each other as siblings
 
-from gpu_throughput import peak_bf16  # noqa: E402
+from throughput import peak_bf16  # noqa: E402
 from train_run import steady_throughput  # noqa: E402
 
 

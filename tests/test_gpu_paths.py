@@ -8,26 +8,22 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from conftest import LEARN, TINY, cli, load_checkpoint, requires_2_gpus, requires_cuda
-from multicard import dist, run
+from conftest import LEARN, TINY, cli, load_checkpoint, max_rel_diff, requires_2_gpus
+from multicard import process_group, topology
 from multicard.config import load_config
-from multicard.dist import DistContext, ProcessEnv
 from multicard.errors import UserError
 from multicard.models import build_model
 from multicard.precision import AutocastForward, Precision
-from multicard.strategy import DataParallelStrategy, DDPStrategy, Strategy
+from multicard.process_group import ProcessContext, ProcessEnv
+from multicard.session import start_process
+from multicard.strategy import DataParallelStrategy, DDPStrategy, ModelSetup, Strategy
 
 # float64, no BatchNorm, 5 optimizer steps: DDP and single-process runs agree to rounding.
 PARITY = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "train.max_steps=5", "data.val_size=64"]
 
 
-def _cpu_context() -> DistContext:
-    return DistContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
-
-
-def _max_rel_diff(a: dict, b: dict) -> float:
-    floats = [k for k in b if b[k].is_floating_point()]
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in floats)
+def _cpu_context() -> ProcessContext:
+    return ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
 
 
 def _assert_bare_checkpoint(path) -> dict:
@@ -63,12 +59,12 @@ def test_compile_mode_is_checked():
 
 
 def test_compile_with_dataparallel_over_several_gpus_is_refused(monkeypatch):
-    monkeypatch.setattr(dist, "cuda_count", lambda: 2)
+    monkeypatch.setattr(process_group, "cuda_count", lambda: 2)
     cfg = load_config(None, ["strategy=dp", "compile=true", "train.global_batch_size=64"])
     with pytest.raises(UserError, match="compile=true is not supported by strategy=dp over 2 GPUs; use strategy=ddp"):
-        run.check_topology(cfg, "dp", 1, 1)
+        topology.resolve(cfg, 1, 1, launched=False)
     one_gpu = load_config(None, ["strategy=dp", "compile=true", "devices=[0]"])
-    assert run.check_topology(one_gpu, "dp", 1, 1) == [0]  # one GPU: DataParallel makes no replicas
+    assert topology.resolve(one_gpu, 1, 1, launched=False).gpus == [0]  # one GPU: DataParallel makes no replicas
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -77,7 +73,7 @@ def test_cudnn_benchmark_follows_the_config(enabled):
     torch.backends.cudnn.benchmark = not enabled
     try:
         cfg = load_config(None, ["devices=cpu", f"cudnn_benchmark={str(enabled).lower()}"])
-        run._start(cfg, ProcessEnv("none"), "single", training=True)
+        start_process(cfg, ProcessEnv("none"), topology.resolve(cfg, 1, 1, launched=False))
         assert torch.backends.cudnn.benchmark is enabled
     finally:
         torch.backends.cudnn.benchmark = before
@@ -96,8 +92,7 @@ def test_unwrap_sees_through_torch_compile_and_every_wrapper():
 
 def test_prepare_compiles_the_bare_model_in_place():
     probe = Probe()
-    cfg = load_config(None, ["compile=true", "precision=bf16"])
-    prepared = Strategy(_cpu_context(), Precision("bf16", "cpu")).prepare(probe, cfg)
+    prepared = Strategy(_cpu_context(), Precision("bf16", "cpu"), ModelSetup(compile_mode="default")).prepare(probe)
     assert Strategy.unwrap(prepared) is probe and list(probe.state_dict()) == ["linear.weight", "linear.bias"]
     with torch.no_grad():
         prepared(torch.randn(3, 4))
@@ -108,7 +103,7 @@ def test_prepare_compiles_the_bare_model_in_place():
 def test_prepare_without_compile_runs_eagerly():
     """The check above can fail: the same probe reports eager calls."""
     probe = Probe()
-    prepared = Strategy(_cpu_context(), Precision("fp32", "cpu")).prepare(probe, load_config(None, []))
+    prepared = Strategy(_cpu_context(), Precision("fp32", "cpu"), ModelSetup()).prepare(probe)
     prepared(torch.randn(3, 4))
     assert probe.calls == [(False, torch.float32, torch.device("cpu"))]
 
@@ -135,25 +130,23 @@ def test_compiled_ddp2_trains_like_eager_single_process(tmp_path):
     result = cli("train", "--nproc-per-node", "2", *PARITY, "compile=true", f"out_dir={ddp}")
     assert result.returncode == 0, result.stderr
     compiled = _assert_bare_checkpoint(ddp / "checkpoints" / "last.pt")["model"]
-    assert _max_rel_diff(compiled, load_checkpoint(single / "checkpoints" / "last.pt")["model"]) < 1e-9
+    assert max_rel_diff(compiled, load_checkpoint(single / "checkpoints" / "last.pt")["model"]) < 1e-9
 
 
 # ------------------------------------------------------------------ CUDA twins
 
 
-@requires_cuda
 @pytest.mark.cuda
 def test_cuda_fp16_autocast_runs_in_every_dataparallel_replica():
     gpus = list(range(torch.cuda.device_count()))
-    ctx = DistContext(0, 0, 1, 1, torch.device("cuda", 0), distributed=False)
+    ctx = ProcessContext(0, 0, 1, 1, torch.device("cuda", 0), distributed=False)
     probe = Probe()
-    model = DataParallelStrategy(ctx, Precision("fp16", "cuda"), gpus).prepare(probe, load_config(None, []))
+    model = DataParallelStrategy(ctx, Precision("fp16", "cuda"), ModelSetup(), gpus).prepare(probe)
     model(torch.randn(4 * len(gpus), 4, device="cuda"))
     assert sorted(device.index for _, _, device in probe.calls) == gpus  # one call per replica
     assert {dtype for _, dtype, _ in probe.calls} == {torch.float16}
 
 
-@requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("strategy", ["single", "dp"])
 def test_cuda_fp16_with_grad_scaler_learns(tmp_path, strategy):
@@ -165,7 +158,6 @@ def test_cuda_fp16_with_grad_scaler_learns(tmp_path, strategy):
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["scaler"]["scale"] > 0
 
 
-@requires_cuda
 @pytest.mark.cuda
 def test_cuda_compiled_bf16_channels_last_training(tmp_path):
     args = ["compile=true", "precision=bf16", "model.channels_last=true", "cudnn_benchmark=true", "devices=[0]"]
@@ -175,15 +167,14 @@ def test_cuda_compiled_bf16_channels_last_training(tmp_path):
     assert state["step"] == 8
 
 
-@requires_cuda
 @pytest.mark.cuda
 def test_cuda_ddp_converts_batchnorm_to_syncbatchnorm(tmp_path):
     tdist.init_process_group("nccl", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        ctx = DistContext(0, 0, 1, 1, torch.device("cuda", 0), distributed=True)
+        ctx = ProcessContext(0, 0, 1, 1, torch.device("cuda", 0), distributed=True)
         model = build_model("smallcnn", 10)
-        cfg = load_config(None, ["sync_bn=true"])
-        wrapped = DDPStrategy(ctx, Precision("bf16", "cuda")).prepare(model, cfg)
+        options = load_config(None, []).ddp
+        wrapped = DDPStrategy(ctx, Precision("bf16", "cuda"), ModelSetup(), options, sync_bn=True).prepare(model)
         assert any(isinstance(m, nn.SyncBatchNorm) for m in Strategy.unwrap(wrapped).modules())
         wrapped(torch.randn(8, 3, 16, 16, device="cuda")).float().sum().backward()
     finally:
@@ -199,4 +190,4 @@ def test_cuda_ddp2_sync_bn_equals_single_gpu(tmp_path):
     result = cli("train", "--nproc-per-node", "2", *with_bn, "devices=[0,1]", "sync_bn=true", f"out_dir={synced}")
     assert result.returncode == 0, result.stderr
     a, b = (load_checkpoint(d / "checkpoints" / "last.pt")["model"] for d in (synced, single))
-    assert _max_rel_diff(a, b) < 1e-9
+    assert max_rel_diff(a, b) < 1e-9

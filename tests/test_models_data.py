@@ -57,6 +57,7 @@ def test_synthetic_is_deterministic_and_balanced():
     assert make_synthetic(10, 64, seed=0)[0].shape == (10, 3, 64, 64)
 
 
+@pytest.mark.slow
 def test_linear_classifier_stays_far_below_90_percent():
     """The embedded dataset must not be solvable by a linear model on pixels."""
     torch.manual_seed(0)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, cli
-from test_resume import assert_bitwise_equal, final_params
+from conftest import TINY, assert_bitwise_equal, clean_env, cli, final_params
 
 pytestmark = pytest.mark.distributed
 
@@ -87,11 +86,8 @@ class TwoHosts:
             sh("ip", "-n", ns, "link", "set", VALUES["IFNAME"], "up")
 
     def start(self, node: int, argv: list[str]) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[node], *argv], cwd=ROOT, env=env,
+            ["ip", "netns", "exec", self.names[node], *argv], cwd=ROOT, env=clean_env(),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         self.procs.append(proc)
@@ -197,11 +193,7 @@ def test_unreachable_master_under_srun_is_a_one_line_error(tmp_path):
         "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
         "MASTER_PORT": str(free_port()),
     }  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | slurm
-    result = subprocess.run(
-        [sys.executable, "-m", "multicard", "train", *TINY, "dist_timeout_s=2", f"out_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+    result = cli("train", *TINY, "dist_timeout_s=2", f"out_dir={tmp_path}", timeout=60, env=slurm)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().startswith("multicard: error (rank 1): cannot reach the rendezvous at localhost:")
     assert result.stderr.count("\n") == 1

@@ -6,15 +6,26 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import TINY, cli, load_checkpoint
-from multicard import checkpoint
+from conftest import (
+    TINY,
+    assert_bitwise_equal,
+    cli,
+    descendants,
+    final_params,
+    load_checkpoint,
+    parents,
+    start,
+    wait_for,
+    worker_pid,
+)
+from multicard.checkpoint import Checkpointer, checkpoints_in, load_file
+from multicard.config import load_config
+from multicard.process_group import ProcessEnv
+from multicard.session import open_session
 
 pytestmark = pytest.mark.distributed
 
@@ -23,16 +34,6 @@ pytestmark = pytest.mark.distributed
 EXACT = [*TINY, "train.epochs=2", "sched.name=constant", "checkpoint.every_steps=5", "data.val_size=64"]
 # Long enough (about 10 s) for a test to act while it runs.
 LONG = [*EXACT, "data.train_size=8192", "train.epochs=3", "log_every=50"]
-
-
-def final_params(out_dir: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def run_ok(*args: str) -> subprocess.CompletedProcess:
@@ -108,25 +109,29 @@ def test_resume_never_starts_afresh(tmp_path):
     run_ok(*EXACT, "train.max_steps=7", f"out_dir={tmp_path}")
     result = run_ok(*EXACT, "train.max_steps=3", "train.resume=never", f"out_dir={tmp_path}")
     assert "removed" in result.stdout
-    assert [p.name for p in checkpoint.step_files(tmp_path / "checkpoints")] == ["step-000000003.pt"]
+    assert [p.name for p in checkpoints_in(tmp_path / "checkpoints")] == ["step-000000003.pt"]
 
 
 # ------------------------------------------------------------------ checkpoints on disk
 
 
 def test_rotation_keeps_last_k_and_best(tmp_path):
-    for step, best in [(5, True), (10, False), (15, True), (20, False), (25, False)]:
-        checkpoint.save_step({"model": {"step": step}, "config": {}}, tmp_path, step, keep_last=2, best=best)
-    assert [p.name for p in checkpoint.step_files(tmp_path)] == ["step-000000025.pt", "step-000000020.pt"]
-    assert checkpoint.load(tmp_path / "last.pt")["model"]["step"] == 25
-    assert checkpoint.load(tmp_path / "best.pt")["model"]["step"] == 15  # outlives its rotated step file
+    cfg = load_config(None, [*TINY, "checkpoint.keep_last=2", f"out_dir={tmp_path}"])
+    with open_session(cfg, ProcessEnv("none")) as s:
+        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.run)
+        for step, best in [(5, True), (10, False), (15, True), (20, False), (25, False)]:
+            s.trainer.position.global_step = step
+            checkpointer.save(s.trainer, best=best)
+    assert [p.name for p in checkpoints_in(tmp_path)] == ["step-000000025.pt", "step-000000020.pt"]
+    assert load_file(tmp_path / "last.pt")["step"] == 25
+    assert load_file(tmp_path / "best.pt")["step"] == 15  # outlives its rotated step file
     assert not list(tmp_path.glob(".*"))  # no temporaries
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     run_ok(*EXACT, "train.max_steps=12", f"out_dir={tmp_path}")
     folder = tmp_path / "checkpoints"
-    newest = checkpoint.step_files(folder)[0]
+    newest = checkpoints_in(folder)[0]
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash without atomic writes
     result = run_ok(*EXACT, f"out_dir={tmp_path}")
     assert "skipping damaged" in result.stdout and newest.name in result.stdout
@@ -136,67 +141,14 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
 # ------------------------------------------------------------------ signals and restarts
 
 
-def wait_for(condition, timeout: float = 120.0, what: str = "condition") -> None:
-    """Poll a condition on the file system or process table (not a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def start(*args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "multicard", "train", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
-
-
-def parents() -> dict[int, int]:
-    """pid → parent pid of every live (non-zombie) process, from /proc."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                out[int(entry.name)] = int(fields[1])
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    tree = parents()
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in tree.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def worker_pid(launcher: int, rank: int) -> int | None:
-    """The trainer process of `rank` under the launcher (not its data-loader children)."""
-    tree = parents()
-    for pid in descendants(launcher):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and f"LOCAL_RANK={rank}".encode() in environ:
-            parent_env = Path(f"/proc/{tree.get(pid, 1)}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() not in parent_env:
-                return pid
-    return None
-
-
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138), (signal.SIGHUP, 129)]
+)
 def test_signal_to_launcher_checkpoints_and_the_next_run_resumes(reference, tmp_path, sig, code):
     args = ("--nproc-per-node", "2", *LONG, "data.loader=workers", "data.num_workers=1")
-    proc = start(*args, f"out_dir={tmp_path}")
+    proc = start("train", *args, f"out_dir={tmp_path}")
     folder = tmp_path / "checkpoints"
-    wait_for(lambda: bool(checkpoint.step_files(folder)), what="the first checkpoint")
+    wait_for(lambda: bool(checkpoints_in(folder)), what="the first checkpoint")
     wait_for(lambda: len(descendants(proc.pid)) >= 4, what="2 workers, each with a loader process")
     children = descendants(proc.pid)
     os.kill(proc.pid, sig)
@@ -213,9 +165,9 @@ def test_signal_to_launcher_checkpoints_and_the_next_run_resumes(reference, tmp_
 
 def test_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(reference, tmp_path):
     args = ("--nproc-per-node", "2", *LONG)
-    proc = start("--max-restarts", "1", *args, f"out_dir={tmp_path}")
+    proc = start("train", "--max-restarts", "1", *args, f"out_dir={tmp_path}")
     folder = tmp_path / "checkpoints"
-    wait_for(lambda: len(checkpoint.step_files(folder)) >= 2, what="two checkpoints")
+    wait_for(lambda: len(checkpoints_in(folder)) >= 2, what="two checkpoints")
     victim = worker_pid(proc.pid, rank=1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
@@ -223,3 +175,20 @@ def test_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(ref
     assert proc.returncode == 0, err
     assert "after restart 1" in out
     assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
+
+
+def test_sigquit_quits_at_once_with_stacks_and_keeps_the_last_checkpoint(tmp_path):
+    """SIGQUIT (Ctrl-\\) means "quit now and show me where": stacks on stderr, exit 131, no new
+    checkpoint; the last one written stays and the same command resumes from it."""
+    proc = start("train", *LONG, f"out_dir={tmp_path}")
+    folder = tmp_path / "checkpoints"
+    wait_for(lambda: bool(checkpoints_in(folder)), what="the first checkpoint")
+    os.kill(proc.pid, signal.SIGQUIT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 131, err
+    assert "quit by SIGQUIT without a checkpoint" in err and "most recent call first" in err  # the stacks
+    steps = [load_file(p)["step"] for p in checkpoints_in(folder)]
+    assert steps and all(step % 5 == 0 for step in steps)  # only the cadence's checkpoints, none at the quit
+    end = max(steps) + 5
+    result = run_ok(*LONG, f"train.max_steps={end}", f"out_dir={tmp_path}")
+    assert f"step {max(steps)} of {end}" in result.stdout

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from conftest import TINY
-from multicard import checkpoint
-from multicard.cli import build_parser
+from conftest import TINY, assert_bitwise_equal, clean_env, final_params, wait_for
+from multicard.checkpoint import checkpoints_in, load_file
+from multicard.cli import parse
 from multicard.config import load_config
 from multicard.launch import free_port
-from test_resume import assert_bitwise_equal, final_params, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -56,7 +55,7 @@ def multicard_argv(argv: list[str]) -> list[str]:
 
 
 def check_multicard_args(args: list[str]) -> None:
-    parsed = build_parser().parse_args(args)
+    parsed = parse(args)
     assert parsed.command == "train" and parsed.nproc_per_node is None  # srun starts the workers
     load_config(str(ROOT / parsed.config), parsed.overrides)  # keys and values are valid
 
@@ -90,15 +89,12 @@ PREEMPT = [*TINY, "data.train_size=2048", "train.epochs=2", "checkpoint.every_st
 
 def srun_task(rank: int, port: int, args: list[str]) -> subprocess.Popen:
     """One of the 2 tasks `srun --ntasks-per-node=2` would start on one node."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        env.pop(name, None)
-    env |= {
+    env = clean_env({
         "SLURM_JOB_ID": JOB["SLURM_JOB_ID"], "SLURM_JOB_NAME": "multicard", "SLURM_NNODES": "1",
         "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_TASKS": "2",
         "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_PROCID": str(rank),
         "SLURM_LOCALID": str(rank), "MASTER_PORT": str(port),
-    }  # fmt: skip
+    })  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "multicard", *args], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -122,7 +118,7 @@ def test_sigusr1_under_srun_checkpoints_and_the_requeued_run_resumes(tmp_path):
     folder = tmp_path / "job" / "checkpoints"
     port = free_port()
     tasks = [srun_task(rank, port, args) for rank in (0, 1)]
-    wait_for(lambda: bool(checkpoint.step_files(folder)) or tasks[0].poll() is not None, what="the first checkpoint")
+    wait_for(lambda: bool(checkpoints_in(folder)) or tasks[0].poll() is not None, what="the first checkpoint")
     for task in tasks:  # as Slurm's warning reaches every task
         os.kill(task.pid, signal.SIGUSR1)
     (code0, _, err0), (code1, _, err1) = run_tasks(tasks)
@@ -143,4 +139,4 @@ def test_sigusr1_under_srun_checkpoints_and_the_requeued_run_resumes(tmp_path):
 
 
 def load_step(path: Path) -> int:
-    return checkpoint.load(path)["step"]
+    return load_file(path)["step"]

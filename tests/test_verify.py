@@ -11,6 +11,7 @@ from multicard.verify.checks import check_coverage, compare_eval, compare_parame
 SMALL = ["model.name=smallcnn", "data.image_size=16", "data.val_size=203", "train.global_batch_size=32"]
 
 
+@pytest.mark.distributed
 def test_verify_passes_on_a_correct_setup(tmp_path):
     result = cli("verify", "--keep", str(tmp_path), *SMALL, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
@@ -19,6 +20,7 @@ def test_verify_passes_on_a_correct_setup(tmp_path):
     assert "sync_bn=true" in result.stdout  # smallcnn has BatchNorm: compared with global statistics
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "fault, message",
     [

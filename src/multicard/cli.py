@@ -1,4 +1,4 @@
-"""Command line: `multicard train` and `multicard eval`. A thin layer over run and launch.
+"""Command line: `multicard train`, `eval`, `bench`, `verify`. A thin layer over commands and launch.
 
 Launch examples (all train the same job):
     multicard train --config configs/demo.yaml                       # one process
@@ -8,9 +8,7 @@ Launch examples (all train the same job):
     multicard train --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr HOST0 --master-port 29400 ...
 (several machines, Slurm scripts: docs/multinode.md, examples/slurm/train.sbatch)
 
-Exit codes: 0 success, 1 internal error (a bug: traceback shown), 2 bad input (one line),
-3 training diverged (NaN/inf loss), 4 `verify` found a difference, 130 / 138 / 143 stopped
-by SIGINT / SIGUSR1 / SIGTERM after a checkpoint.
+Exit codes: errors.ExitCode (README, Exit codes).
 """
 
 from __future__ import annotations
@@ -20,18 +18,22 @@ import os
 import sys
 from typing import NoReturn
 
-from multicard import __version__, run
-from multicard.config import load_config
-from multicard.dist import ProcessEnv, detect_env
-from multicard.errors import MulticardError, UserError
-from multicard.launch import LaunchOptions, launch_workers
-from multicard.stopping import Stopped
+from multicard import __version__, commands
+from multicard.config import load_config, parse_devices
+from multicard.errors import ExitCode, MulticardError, Stopped, UserError
+from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
+from multicard.process_group import ProcessEnv, communication_failure, detect_env, die_with_launcher, resolve_gpus
+from multicard.run_lock import RunLock
+from multicard.topology import resolve
+from multicard.verify.checks import FAULTS
 
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, argparse.ArgumentParser]  # the top-level parser's subcommands, by name
+
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         print(f"multicard: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(UserError.exit_code)
+        raise SystemExit(ExitCode.BAD_INPUT)
 
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
@@ -43,31 +45,40 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, help="rendezvous port; a free one is chosen on one node")
     g.add_argument("--max-restarts", type=int, default=0, help="restarts of failed workers (default 0)")
     g.add_argument(
+        "--oversubscribe", action="store_true", help="on CPU, allow more processes than cores or than memory allows"
+    )
+    g.add_argument(
         "--rdzv-timeout", type=int, default=300, help="seconds to reach node 0 and for all nodes to join (default 300)"
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, config: str | None, example: str) -> _Parser:
+    """A subcommand with `--config` (when `config` describes it) and KEY=VALUE overrides."""
+    p = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+    if config is not None:
+        p.add_argument("--config", help=config)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
+    return p
+
+
+def build_parser() -> _Parser:
     parser = _Parser(prog="multicard", description="Train image classifiers on one device, DP or DDP.")
     parser.add_argument("--version", action="version", version=f"multicard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.commands = sub.choices
 
-    t = sub.add_parser("train", help="train a model", description="Train a model.")
-    t.add_argument("--config", help="YAML config file")
+    t = _command(sub, "train", "train a model", "YAML config file", "train.epochs=5")
     _add_launch_flags(t)
-    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=5")
 
-    e = sub.add_parser("eval", help="evaluate a checkpoint", description="Evaluate a checkpoint exactly.")
+    e = _command(sub, "eval", "evaluate a checkpoint exactly", None, "data.val_size=1000")
     e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
     e.add_argument("--json", action="store_true", help="print the result as one JSON line")
     _add_launch_flags(e)
-    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. data.val_size=1000")
-    b = sub.add_parser(
-        "bench",
-        help="throughput of single / dp / ddp side by side",
-        description="Measure the same workload under each runner, strategy, world size and precision.",
-    )
-    b.add_argument("--config", help="YAML config file (default workload: resnet18, 32×32 on the device, batch 64)")
+
+    b = _command(
+        sub, "bench", "throughput of each runner, strategy, world size and precision side by side",
+        "YAML config file (default workload: resnet18, 32×32 on the device, batch 64)", "precision=bf16",
+    )  # fmt: skip
     b.add_argument("--runners", default="multicard,plain", help="multicard,plain,lightning,accelerate")
     b.add_argument("--strategies", default="single,dp,ddp", help="single,dp,ddp")
     b.add_argument("--world-sizes", default="1,2,4,8", help="processes (ddp) or GPUs (dp), e.g. 1,2")
@@ -80,18 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=30, help="timed steps per cell (default 30)")
     b.add_argument("--repeats", type=int, default=1, help="runs of every cell, alternating (default 1)")
     b.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.png)")
-    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. precision=bf16")
-    v = sub.add_parser(
-        "verify",
-        help="check that N-process DDP trains like one process",
-        description="Check on this machine that DDP equals single-process training, eval and sampling.",
-    )
-    v.add_argument("--config", help="YAML config file")
+
+    v = _command(
+        sub, "verify", "check on this machine that N-process DDP trains like one process", "YAML config file",
+        "model.name=smallcnn",
+    )  # fmt: skip
     v.add_argument("--nproc-per-node", type=int, default=2, help="processes of the DDP run (default 2)")
     v.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default 4)")
-    v.add_argument("--break", dest="fault", choices=["no-set-epoch", "rank-seed"], help="break the setup on purpose")
+    v.add_argument("--break", dest="fault", choices=FAULTS, help="break the setup on purpose")
     v.add_argument("--keep", help="keep the runs' files in this directory")
-    v.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. model.name=smallcnn")
     return parser
 
 
@@ -104,7 +112,7 @@ def _verify(args: argparse.Namespace) -> int:
     failed = [o for o in verify(options) if o.failed]
     if failed:
         raise VerifyFailed(f"{len(failed)} check(s) failed: {'; '.join(o.name for o in failed)}")
-    return 0
+    return ExitCode.OK
 
 
 def _list(text: str, flag: str, kind: type = str) -> list:
@@ -134,7 +142,7 @@ def _bench(args: argparse.Namespace) -> int:
         out=args.out,
     )
     rows = bench(options)
-    return 0 if all(r["status"] != "failed" for r in rows) else 1
+    return ExitCode.OK if all(r["status"] != "failed" for r in rows) else ExitCode.INTERNAL
 
 
 def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
@@ -150,6 +158,7 @@ def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions 
         master_port=args.master_port,
         max_restarts=args.max_restarts,
         rdzv_timeout=args.rdzv_timeout,
+        oversubscribe=args.oversubscribe,
     )
 
 
@@ -159,31 +168,47 @@ def _train(args: argparse.Namespace) -> int:
     options = _launch_options(args, env)
     if options is None and cfg.strategy == "ddp" and not env.launched:
         # ddp asked for without a launcher: one worker per GPU in use (one on CPU).
-        gpus = run.check_topology(cfg, "ddp", 1, 1)
-        options = LaunchOptions(nproc_per_node=max(1, len(gpus)))
+        options = LaunchOptions(nproc_per_node=max(1, len(resolve_gpus(parse_devices(cfg.devices)))))
     if options is None:
-        run.train(cfg, env)
-        return 0
-    if cfg.strategy in ("single", "dp"):
-        raise UserError(f"--nproc-per-node starts DDP workers but strategy={cfg.strategy}; use strategy=ddp or auto")
-    run.check_topology(cfg, "ddp", options.world_size, options.nproc_per_node)
-    run.prepare_out_dir(cfg.out_dir)
+        commands.train(cfg, env)
+        return ExitCode.OK
+    topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
+    if not topology.gpus:
+        check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
+    out_dir = commands.prepare_out_dir(cfg.out_dir)
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
-    return launch_workers(options, worker_argv)
+    with RunLock(out_dir) as lock:
+        if options.node_rank == 0:  # node 0 holds it for the whole job, restarts included
+            lock.acquire(print)
+        return launch_workers(options, worker_argv)
 
 
 def _eval(args: argparse.Namespace) -> int:
     env = detect_env()
     options = _launch_options(args, env)
     if options is None:
-        run.evaluate_checkpoint(args.checkpoint, args.overrides, env, args.json)
-        return 0
+        commands.evaluate_checkpoint(args.checkpoint, args.overrides, env, args.json)
+        return ExitCode.OK
+    if not commands.check_eval(args.checkpoint, args.overrides, options.world_size, options.nproc_per_node).gpus:
+        check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
     worker_argv = ["eval", "--checkpoint", args.checkpoint, *(["--json"] if args.json else []), *args.overrides]
     return launch_workers(options, worker_argv)
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, with KEY=VALUE overrides accepted anywhere among the flags."""
+    parser = build_parser()
+    commands = parser.commands
+    if argv and argv[0] in commands:
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)  # --help, --version, or an unknown command: argparse says so
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
+    die_with_launcher(detect_env())
     try:
         return {"train": _train, "eval": _eval, "bench": _bench, "verify": _verify}[args.command](args)
     except Stopped as exc:
@@ -203,4 +228,29 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.SIGINT
+    except RuntimeError as exc:
+        code = communication_failure(exc)
+        if code is None:
+            raise  # a bug: the traceback is shown (exit 1)
+        return _communication_failed(code)
+
+
+def _communication_failed(code: ExitCode) -> int:
+    """One line, or none where multicard's launcher reports the rank that caused it."""
+    env = detect_env()
+    if code == ExitCode.STALLED:
+        print(
+            f"multicard: error (rank {env.rank}): a collective waited longer than dist_timeout_s for another rank; "
+            f"a rank is stuck or stopped (see the stall report, if any) — fix it or raise dist_timeout_s",
+            file=sys.stderr,
+        )
+    elif env.launcher_pid is None:
+        print(
+            f"multicard: error (rank {env.rank}): lost the connection to another rank, which failed or was "
+            f"stopped (its own message, or the launcher's, says which)",
+            file=sys.stderr,
+        )
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)

@@ -6,6 +6,9 @@ OmegaConf does the merging and type checking; this module turns its errors into 
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,11 @@ DATASETS = ("synthetic", "cifar10", "imagefolder")
 LOADERS = ("auto", "device", "workers")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MAX_THREADS = 256  # per process; beyond this torch itself fails (and no node has that many cores per process)
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 4096
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     name: str = "synthetic"  # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder
     root: str | None = None  # dataset directory (cifar10, imagefolder)
@@ -50,14 +55,17 @@ class DataConfig:
     eval_batch_size: int = 500  # per process
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "resnet18"  # torchvision name, resnet18_cifar, smallcnn, or package.module:function
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the builder
     channels_last: bool = False
+    # Initial weights (fine-tuning): a multicard checkpoint or a state dict file; tensors load by name
+    # where shapes agree, the rest keep their initialisation. A resumed run takes its checkpoint's instead.
+    weights: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     epochs: int = 10
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
@@ -67,7 +75,7 @@ class TrainConfig:
     resume: str = "auto"  # auto: continue from out_dir's newest valid checkpoint | never | PATH
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     name: str = "sgd"
     lr: float = 0.1  # peak learning rate at base_batch_size (see lr_scaling)
@@ -81,7 +89,7 @@ class OptimConfig:
     fused: bool = True  # one fused kernel per step where torch has it (same update, far less memory traffic)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedConfig:
     name: str = "cosine"
     warmup_epochs: float = 0.0  # linear warm-up from 0, counted in (fractional) epochs
@@ -90,7 +98,7 @@ class SchedConfig:
     gamma: float = 0.1  # step: decay factor
 
 
-@dataclass
+@dataclass(frozen=True)
 class DDPConfig:
     bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of about this size, during backward
     static_graph: bool = False  # the graph is the same every step: lets DDP skip per-step bookkeeping
@@ -104,13 +112,13 @@ class DDPConfig:
     powersgd_start_step: int = 10  # powersgd: plain all-reduce before this optimizer step
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 0  # also save inside epochs, every this many optimizer steps; 0 = epoch ends only
     keep_last: int = 3  # step checkpoints kept (best.pt and last.pt are kept besides)
 
 
-@dataclass
+@dataclass(frozen=True)
 class NetConfig:
     # Interface(s) for gloo/NCCL traffic between nodes, e.g. eth1 or ib0 (exact names, comma-separated
     # for several): sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless they are exported already
@@ -118,7 +126,7 @@ class NetConfig:
     socket_ifname: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     strategy: str = "auto"  # auto: ddp when launched with several processes, else single
     devices: Any = "auto"  # auto | cpu | list of GPU ids, e.g. [0,1]
@@ -156,32 +164,47 @@ def _one_line(exc: OmegaConfBaseException) -> str:
 
 def load_config(
     path: str | None = None, overrides: list[str] | None = None, defaults: dict[str, Any] | None = None
-) -> DictConfig:
-    """Build the read-only config from defaults, an optional YAML file and overrides.
+) -> Config:
+    """Build the frozen config from defaults, an optional YAML file and overrides.
 
     `defaults` (dotted keys) replace the built-in defaults and lose to the file and overrides:
     bench and verify use them for their own workload.
     """
-    cfg = OmegaConf.structured(Config)
+    node = OmegaConf.structured(Config)
     if defaults:
-        cfg = _merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in defaults.items()]))
+        node = _merge(node, OmegaConf.from_dotlist([f"{k}={v}" for k, v in defaults.items()]))
     if path is not None:
-        file = Path(path)
+        file = Path(path).expanduser()
+        if file.is_dir():
+            raise UserError(f"--config {path} is a directory; pass a YAML file, e.g. {path}/demo.yaml")
         if not file.is_file():
             raise UserError(f"config file not found: {path} (pass an existing YAML file to --config)")
         try:
             loaded = OmegaConf.load(file)
         except Exception as exc:  # YAML syntax errors and the like
-            raise UserError(f"bad config file {path}: {str(exc).splitlines()[0]}") from None
+            raise UserError(f"bad config file {path}: {_yaml_problem(exc)}") from None
         if not isinstance(loaded, DictConfig):
             raise UserError(f"config file {path} must hold a mapping of keys to values")
-        cfg = _merge(cfg, loaded)
-    return _finish(cfg, overrides)
+        node = _merge(node, loaded)
+    return _finish(node, overrides)
 
 
-def config_from_dict(data: dict, overrides: list[str] | None = None) -> DictConfig:
-    """Rebuild a config saved in a checkpoint, then apply overrides."""
+def _yaml_problem(exc: Exception) -> str:
+    """'line L, column C: what is wrong' for YAML syntax errors, else the first line."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return str(exc).splitlines()[0]
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
+    """Rebuild a config saved in a checkpoint (or by to_dict), then apply overrides."""
     return _finish(_merge(OmegaConf.structured(Config), OmegaConf.create(data)), overrides)
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with dotted KEY=VALUE overrides applied and validated."""
+    return config_from_dict(to_dict(cfg), overrides)
 
 
 def _merge(base: DictConfig, other: DictConfig) -> DictConfig:
@@ -191,7 +214,7 @@ def _merge(base: DictConfig, other: DictConfig) -> DictConfig:
         raise UserError(f"bad config: {_one_line(exc)}") from None
 
 
-def _finish(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
+def _finish(node: DictConfig, overrides: list[str] | None) -> Config:
     for item in overrides or []:
         if "=" not in item:
             raise UserError(f"override '{item}' is not KEY=VALUE (for example train.epochs=5)")
@@ -199,10 +222,34 @@ def _finish(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
             dotlist = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as exc:
             raise UserError(f"bad override '{item}': {_one_line(exc)}") from None
-        cfg = _merge(cfg, dotlist)
+        node = _merge(node, dotlist)
+    try:
+        cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise UserError(f"bad config: {_one_line(exc)}") from None
     validate(cfg)
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
+    return _expand_home(cfg)
+
+
+def _expand_home(cfg: Config) -> Config:
+    """`~` in paths means the home directory, as in a shell (out_dir=~/runs/x)."""
+
+    def expand(path: str | None) -> str | None:
+        return os.path.expanduser(path) if path else path
+
+    resume = cfg.train.resume if cfg.train.resume in ("auto", "never") else expand(cfg.train.resume)
+    return dataclasses.replace(
+        cfg,
+        out_dir=expand(cfg.out_dir),
+        data=dataclasses.replace(
+            cfg.data,
+            root=expand(cfg.data.root),
+            val_root=expand(cfg.data.val_root),
+            cache_dir=expand(cfg.data.cache_dir),
+        ),
+        model=dataclasses.replace(cfg.model, weights=expand(cfg.model.weights)),
+        train=dataclasses.replace(cfg.train, resume=resume),
+    )
 
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
@@ -216,8 +263,26 @@ def _positive(value: float, name: str, zero_ok: bool = False) -> None:
         raise UserError(f"{name}={value} must be {bound}")
 
 
-def validate(cfg: DictConfig) -> None:
+def _finite(node: Any, name: str = "") -> None:
+    """No NaN or infinity anywhere: they pass range checks (nan < 0 is False) and end runs later."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _finite(getattr(node, f.name), f"{name}.{f.name}" if name else f.name)
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise UserError(f"{name}={node} must be a finite number")
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            _finite(item, f"{name}[{i}]")
+
+
+def _within(value: float, name: str, lo: float, hi: float, hi_open: bool = True) -> None:
+    if not (lo <= value < hi if hi_open else lo <= value <= hi):
+        raise UserError(f"{name}={value} must be in [{lo:g}, {hi:g}{')' if hi_open else ']'}")
+
+
+def validate(cfg: Config) -> None:
     """Range and choice checks that the types alone do not express."""
+    _finite(cfg)
     _choice(cfg.strategy, "strategy", STRATEGIES)
     _choice(cfg.precision, "precision", PRECISIONS)
     _choice(cfg.optim.name, "optim.name", OPTIMIZERS)
@@ -256,9 +321,13 @@ def validate(cfg: DictConfig) -> None:
     _positive(cfg.log_every, "log_every")
     _positive(cfg.checkpoint.every_steps, "checkpoint.every_steps", zero_ok=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
-    _positive(cfg.threads, "threads", zero_ok=True)
+    _within(cfg.threads, "threads", 0, MAX_THREADS, hi_open=False)
+    _positive(cfg.seed, "seed", zero_ok=True)
+    _within(cfg.optim.momentum, "optim.momentum", 0, 1)
+    for i, beta in enumerate(cfg.optim.betas):
+        _within(beta, f"optim.betas[{i}]", 0, 1)
     _positive(cfg.dist_timeout_s, "dist_timeout_s")
-    _positive(cfg.data.image_size, "data.image_size")
+    _within(cfg.data.image_size, "data.image_size", MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hi_open=False)
     _positive(cfg.data.train_size, "data.train_size")
     _positive(cfg.data.val_size, "data.val_size")
     _positive(cfg.data.eval_batch_size, "data.eval_batch_size")
@@ -293,9 +362,9 @@ def parse_devices(devices: Any) -> list[int] | None:
     raise UserError(f"devices={devices} must be auto, cpu, or a list of GPU ids like [0,1]")
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
 
 
-def to_dict(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))

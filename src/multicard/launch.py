@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import socket
 import sys
 import uuid
@@ -14,13 +17,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from multicard.dist import wait_for_master
-from multicard.errors import UserError
+from multicard.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
+from multicard.process_group import LAUNCHER_PID, cpu_cores, wait_for_master
 
-# The agent forwards these to the workers, which checkpoint and exit 128 + signal (stopping.py).
+# The agent forwards these to the workers: they checkpoint and exit 128 + signal, or quit at
+# once on SIGQUIT (stopping.py).
 SIGNALS_TO_FORWARD = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-# Exit codes of workers that have already printed their one line.
-REPORTED_CODES = (UserError.exit_code, 3, 130, 138, 143)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class LaunchOptions:
     master_port: int | None = None
     max_restarts: int = 0
     rdzv_timeout: int = 300  # seconds a node waits to reach node 0 and for all nodes to join
+    oversubscribe: bool = False  # on CPU, allow more processes than cores or than memory allows
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -50,6 +53,40 @@ class LaunchOptions:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+
+WORKER_MEMORY = 1 << 29  # bytes a CPU worker needs at the least: torch itself, before any data (~0.5 GiB)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give processes (MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_cpu_capacity(nproc: int, oversubscribe: bool) -> None:
+    """CPU workers share this node's cores and memory: more than it has is refused up front
+    (64 processes on 2 cores take minutes to start and can exhaust memory) unless asked for."""
+    if oversubscribe:
+        return
+    cores = cpu_cores()
+    if nproc > cores:
+        raise UserError(
+            f"--nproc-per-node {nproc} starts more CPU processes than the {cores} core(s) this process may use; "
+            f"use --nproc-per-node {cores} or fewer, or add --oversubscribe"
+        )
+    memory = available_memory()
+    if memory is not None and nproc * WORKER_MEMORY > memory:
+        fits = max(1, memory // WORKER_MEMORY)
+        raise UserError(
+            f"--nproc-per-node {nproc} CPU processes need about {nproc * WORKER_MEMORY / 2**30:.1f} GiB, more than the "
+            f"{memory / 2**30:.1f} GiB available; use --nproc-per-node {fits} or fewer, or add --oversubscribe"
+        )
 
 
 def free_port() -> int:
@@ -121,13 +158,38 @@ def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, d
     return code, json.loads(result.read_text()) if code == 0 and result.exists() else None
 
 
-def _cause(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
-    """The failure that ended the job: a rank that exited with one of our own codes (it said
-    why) rather than a peer that then lost its connection to it; else the first to fail."""
-    reported = [(rank, f) for rank, f in exc.failures.items() if f.exitcode in REPORTED_CODES]
-    if reported:
-        return min(reported, key=lambda item: item[1].timestamp)
-    return exc.get_first_failure()
+def _cause(exc: ChildFailedError) -> tuple[int, int]:
+    """(rank, exit code) of the failure that ended the job: a rank that said why (its own
+    error) rather than peers that then lost their connection or were stopped by the agent;
+    else a rank killed by a signal; else the first to fail."""
+    failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+
+    def code(failure: ProcessFailure) -> int:
+        return failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+
+    for pick in (
+        lambda c: c in SELF_REPORTED and c not in STOPPED_BY_SIGNAL,
+        lambda c: c > 128 and c not in STOPPED_BY_SIGNAL,  # killed by a signal nobody sent on purpose
+        lambda c: c != ExitCode.PEER_LOST,
+        lambda c: True,
+    ):
+        for rank, failure in failures:
+            if pick(code(failure)):
+                return rank, code(failure)
+    raise AssertionError("a failed job has failures")
+
+
+def _describe(rank: int, code: int) -> str | None:
+    """The launcher's line for a worker that could not say why it ended (None: it did)."""
+    if code in SELF_REPORTED:
+        return None
+    if code == ExitCode.PEER_LOST:
+        return f"rank {rank} lost its connection to the other ranks (a node or the network went away?)"
+    if code > 128:
+        sig = signal.Signals(code - 128)
+        why = ": out of memory?" if sig == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {sig.name} (signal {code - 128}{why}); exit code {code}"
+    return f"worker rank {rank} failed with exit code {code} (its traceback is above)"
 
 
 def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str = "multicard") -> int:
@@ -143,6 +205,9 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
     if options.nnodes > 1 and options.node_rank != 0:
         hint = "start node 0 with the same --master-addr/--master-port, open that port, or raise --rdzv-timeout"
         wait_for_master(addr, port, options.rdzv_timeout, hint)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: they die with this process
+    # torch's agent logs each worker's end and every signal it sends; our one line says what matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
@@ -157,7 +222,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
     except SignalException as exc:
         # A signal to the launcher: the agent has passed it on and the workers have ended.
         print(f"multicard: stopped by {exc.sigval.name}; workers terminated", file=sys.stderr)
-        return 128 + int(exc.sigval)
+        return ExitCode.for_signal(int(exc.sigval))
     except RendezvousTimeoutError:
         raise UserError(
             f"not all {options.nnodes} nodes joined the rendezvous at {addr}:{port} within "
@@ -167,9 +232,9 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
     except RendezvousError as exc:
         raise UserError(f"rendezvous at {addr}:{port} failed ({exc}); see docs/multinode.md") from None
     except ChildFailedError as exc:
-        rank, failure = _cause(exc)
-        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-        if code not in REPORTED_CODES:
-            print(f"multicard: error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        rank, code = _cause(exc)
+        line = _describe(rank, code)
+        if line is not None:
+            print(f"multicard: error: {line}", file=sys.stderr)
         return code
-    return 0
+    return ExitCode.OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -123,9 +124,45 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
             f"{', '.join(BUILTIN)}, or package.module:function"
         )
     try:
-        model = factory(num_classes=num_classes, **kwargs)
-    except TypeError as exc:
-        raise UserError(f"model.name={name} rejected its arguments (model.kwargs): {exc}") from None
+        with warnings.catch_warnings():
+            # torchvision announces future changes of its defaults on every build (inception_v3,
+            # googlenet): noise for a run that names its arguments in model.kwargs.
+            warnings.simplefilter("ignore", FutureWarning)
+            model = factory(num_classes=num_classes, **kwargs)
+    except UserError:
+        raise
+    except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
+        raise UserError(f"model.name={name} rejected model.kwargs={kwargs}: {_first_line(exc)}") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"model.name={name} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_input_size(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
+    """A forward of two blank images: a model that cannot take this image size (a ViT made for
+    224 px, Inception at 32 px) fails here in one line, not in the middle of training.
+
+    Evaluation mode without gradients, so no state (BatchNorm statistics, random streams) changes.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, 3, image_size, image_size))
+    except Exception as exc:
+        raise UserError(
+            f"model.name={name} cannot take {image_size}×{image_size} images ({_first_line(exc)}); "
+            f"set data.image_size to a size it accepts (224 for most ImageNet models)"
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise UserError(
+            f"model.name={name} returned {shape} for 2 images; a classifier returns (batch, {num_classes}) logits"
+        )

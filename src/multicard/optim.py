@@ -6,13 +6,14 @@ import math
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+
+from multicard.config import OptimConfig, SchedConfig
 
 
-def scaled_lr(cfg: DictConfig) -> float:
+def scaled_lr(o: OptimConfig, global_batch: int) -> float:
     """Peak LR: optim.lr × (global batch / base batch)^p, p = 0 (none), 1 (linear), 1/2 (sqrt)."""
-    power = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}[cfg.optim.lr_scaling]
-    return cfg.optim.lr * (cfg.train.global_batch_size / cfg.optim.base_batch_size) ** power
+    power = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}[o.lr_scaling]
+    return o.lr * (global_batch / o.base_batch_size) ** power
 
 
 def _param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[dict]:
@@ -24,10 +25,9 @@ def _param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    o = cfg.optim
+def build_optimizer(model: nn.Module, o: OptimConfig, global_batch: int) -> torch.optim.Optimizer:
     groups = _param_groups(model, o.weight_decay, o.decay_bias_and_norm)
-    lr = scaled_lr(cfg)
+    lr = scaled_lr(o, global_batch)
     fused = {"fused": True} if o.fused and _fused_supported(model) else {}
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas), **fused)
@@ -45,9 +45,8 @@ def _fused_supported(model: nn.Module) -> bool:
     return bool(params) and devices <= {"cpu", "cuda"} and all(p.is_floating_point() for p in params)
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, steps_per_epoch: int, cfg: DictConfig) -> float:
+def lr_factor(step: int, total_steps: int, warmup_steps: int, steps_per_epoch: int, s: SchedConfig) -> float:
     """Multiplier of the peak LR before optimizer step `step` (0-based)."""
-    s = cfg.sched
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if s.name == "constant":
@@ -60,9 +59,9 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, steps_per_epoch: i
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int, steps_per_epoch: int
+    optimizer: torch.optim.Optimizer, s: SchedConfig, total_steps: int, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = round(cfg.sched.warmup_epochs * steps_per_epoch)
+    warmup = round(s.warmup_epochs * steps_per_epoch)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup, steps_per_epoch, cfg)
+        optimizer, lambda step: lr_factor(step, total_steps, warmup, steps_per_epoch, s)
     )

@@ -1,47 +1,70 @@
-"""Graceful stop: SIGTERM, SIGINT or SIGUSR1 asks every rank to checkpoint and exit at a step boundary.
+"""Graceful stop: SIGTERM, SIGINT, SIGHUP or SIGUSR1 asks every rank to checkpoint and exit at
+an optimizer step they agree on; SIGQUIT quits at once.
 
-SIGUSR1 is the warning a Slurm job asks for before its time limit (`--signal=USR1@120`):
-the job checkpoints, exits 138, and its requeued run resumes (examples/slurm/train.sbatch).
+- SIGTERM (schedulers, `kill`), SIGINT (Ctrl-C), SIGHUP (the terminal or SSH session went
+  away) and SIGUSR1 (Slurm's warning before the time limit, `--signal=USR1@120`) all mean
+  "save and stop": the job checkpoints and exits 128 + the signal (143, 130, 129, 138).
+- SIGQUIT (Ctrl-\\) means "quit now, and show me where you were": every thread's stack goes to
+  stderr and the process exits 131 without a checkpoint (the last one written stays).
+- A second SIGINT while stopping also quits at once.
 
-The handler only records the signal. At each optimizer step the ranks agree on it with a
-small all-reduce on the CPU, started one step and collected the next, so the check never
-stalls training and every rank stops after the same step. A second SIGINT stops at once.
+The handler only records the signal. Every POLL_EVERY optimizer steps the ranks start a small
+max-reduction of it on the CPU and collect it one step later, so the check never stalls
+training, costs one tiny collective per POLL_EVERY steps, and every rank stops after the same
+step: at most POLL_EVERY + 1 steps after the signal arrives.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
+import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from multicard.errors import MulticardError
+from multicard.errors import ExitCode, Stopped
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+POLL_EVERY = 8  # optimizer steps between agreements on a pending stop
 
 
-class Stopped(MulticardError):
-    """The run stopped on a signal after writing a checkpoint; exit code 128 + signal number."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum
+def quit_now(signum: int, stacks: bool) -> None:
+    """Exit 128 + signum at once (no checkpoint; a half-written one is never renamed into
+    place), after dumping every thread's stack to stderr if asked."""
+    name = signal.Signals(signum).name
+    if stacks:
+        print(f"multicard: quit by {name} without a checkpoint; stacks follow", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    else:
+        print(f"multicard: quit by {name} without a checkpoint; the last checkpoint written stays", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(ExitCode.for_signal(signum))
 
 
 class GracefulStop:
-    def __init__(self, agree_max: Callable[[int], Callable[[], int]]) -> None:
-        """`agree_max(v)` starts a max-reduction of v over ranks and returns its waiter."""
+    def __init__(
+        self, agree_max: Callable[[int], Callable[[], int]], every: int = POLL_EVERY, announce: bool = True
+    ) -> None:
+        """`agree_max(v)` starts a max-reduction of v over ranks and returns its waiter;
+        `announce`: say on stdout that a stop is coming (one rank does)."""
         self.agree_max = agree_max
+        self.every = every
+        self.announce = announce
         self.signum = 0
+        self._polls = 0
         self._pending: Callable[[], int] | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
-        for sig in SIGNALS:
+        for sig in (*STOP_SIGNALS, signal.SIGQUIT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is not None and issubclass(exc_type, Stopped):
+            return  # stopping: keep handling signals until exit (a second Ctrl-C still quits at once)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._pending is not None and exc_type is None:
@@ -49,12 +72,23 @@ class GracefulStop:
         self._pending = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGQUIT:
+            quit_now(signum, stacks=True)
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # second Ctrl-C: do not wait for the checkpoint
+            quit_now(signum, stacks=False)  # a second Ctrl-C: do not wait for the checkpoint
+        if not self.signum and self.announce:
+            again = "; Ctrl-C again to quit at once, without it" if signum == signal.SIGINT else ""
+            name = signal.Signals(signum).name
+            print(f"multicard: {name}: stopping with a checkpoint within {self.every + 1} steps{again}", flush=True)
         self.signum = self.signum or signum
 
     def poll(self) -> int:
-        """The signal all ranks agreed on one step ago (0: keep going); call once per step."""
-        agreed = self._pending() if self._pending is not None else 0
-        self._pending = self.agree_max(self.signum)
+        """Call once per optimizer step, on every rank: the signal all ranks agreed on (0: go on)."""
+        agreed = 0
+        if self._pending is not None:
+            agreed = self._pending()
+            self._pending = None
+        if self._polls % self.every == 0:
+            self._pending = self.agree_max(self.signum)
+        self._polls += 1
         return agreed

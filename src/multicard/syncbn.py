@@ -13,21 +13,26 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-class _SumOverRanks(torch.autograd.Function):
+def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """all_reduce(SUM) with its gradient: every rank's output depends on every rank's input,
-    so the gradient of a rank's input is the sum of the output gradients of all ranks."""
+    so the gradient of a rank's input is the sum over ranks of the output gradients.
 
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
-        dist.all_reduce(out)
-        return out
+    The output is the reduced sum exactly, tied to `tensor` by a zero term (x − x) that
+    carries the identity gradient; a hook on the output replaces its gradient by that
+    gradient summed over ranks before it flows back into `tensor`.
+    """
+    total = tensor.detach().clone()
+    dist.all_reduce(total)
+    out = total + (tensor - tensor.detach())
+    if out.requires_grad:
+        out.register_hook(_summed_gradient)
+    return out
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
+
+def _summed_gradient(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad)
+    return grad
 
 
 class GlobalBatchNorm2d(nn.BatchNorm2d):
@@ -40,7 +45,7 @@ class GlobalBatchNorm2d(nn.BatchNorm2d):
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         count = torch.full((1,), x.numel() / c, dtype=xf.dtype, device=x.device)
         local = torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count])
-        total = _SumOverRanks.apply(local)
+        total = _sum_over_ranks(local)
         n = total[-1]
         mean = total[:c] / n
         var = (total[c : 2 * c] / n - mean * mean).clamp_min(0)

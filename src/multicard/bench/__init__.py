@@ -21,10 +21,11 @@ from rich.console import Console
 from multicard.bench.cells import Variant, plan_cells
 from multicard.bench.report import plot, print_table, write_json
 from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
+from multicard.bench.worker import COMM_STEPS
 from multicard.config import load_config
-from multicard.dist import cpu_cores, cuda_count
 from multicard.errors import UserError
-from multicard.run import check_topology
+from multicard.process_group import cpu_cores, cuda_count
+from multicard.topology import resolve
 
 WORKLOAD = {
     "model.name": "resnet18",
@@ -77,7 +78,7 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
     # A config file is a workload of its own (e.g. the real input pipeline); else the default one.
     workload = {} if options.config else dict(WORKLOAD)
     base = load_config(options.config, options.overrides, defaults=workload)
-    needed = base.train.global_batch_size * (options.warmup + options.steps + 1)
+    needed = base.train.global_batch_size * (options.warmup + options.steps + COMM_STEPS + 1)
     if base.data.name == "synthetic" and base.data.train_size < needed:
         base = load_config(options.config, [*options.overrides, f"data.train_size={needed}"], defaults=workload)
     gpus, cores = cuda_count(), cpu_cores()
@@ -87,7 +88,7 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
     configs = {cell: cell_config(base, cell, gpus, out / "work" / f"cell-{i}") for i, cell in enumerate(plan.cells)}
     for cell in list(plan.cells):  # what `multicard train` would refuse here is a skipped cell, with its reason
         try:
-            check_topology(configs[cell], cell.strategy, cell.processes, cell.processes)
+            resolve(configs[cell], cell.processes, cell.processes, launched=cell.strategy == "ddp")
         except UserError as exc:
             plan.cells.remove(cell)
             plan.skipped.append((cell, str(exc)))

@@ -1,4 +1,5 @@
-"""Clocks for one bench cell: step times, the split of a step, all-reduce bandwidth.
+"""Clocks for one bench cell: step times and all-reduce bandwidth (the split of a step comes
+from the trainer's own phase times).
 
 Every timing waits for the device first (CUDA kernels are asynchronous), so a time is what
 the step cost, not when it was queued.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,41 +56,6 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - start
-
-
-def step_breakdown(
-    model: nn.Module,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    no_sync: Callable[[], Any],
-    optimizer_step: Callable[[], None],
-    device: torch.device,
-    steps: int,
-) -> dict[str, float]:
-    """Median ms of: fetching a batch, forward+backward without gradient reduction, the extra
-    time when gradients are reduced (communication not hidden behind backward), optimizer step."""
-    data, compute, synced, optim = [], [], [], []
-    box: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def forward_backward() -> None:
-        x, y = box[-1]
-        loss_fn(model(x), y).backward()
-
-    for i in range(2 * steps):
-        data.append(_timed(lambda: box.append(next(batches)), device))
-        if i % 2 == 0:
-            with no_sync():
-                compute.append(_timed(forward_backward, device))
-        else:
-            synced.append(_timed(forward_backward, device))
-        optim.append(_timed(optimizer_step, device))
-    med = {k: statistics.median(v) * 1000 for k, v in (("d", data), ("c", compute), ("s", synced), ("o", optim))}
-    return {
-        "data_ms": med["d"],
-        "compute_ms": med["c"],
-        "comm_exposed_ms": max(0.0, med["s"] - med["c"]),
-        "optimizer_ms": med["o"],
-    }
 
 
 def gradient_bytes(model: nn.Module) -> int:

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from multicard.bench.cells import DEFAULT_VARIANT, Cell
-from multicard.config import config_from_dict, to_dict
+from multicard.config import Config, to_dict, with_overrides
+from multicard.errors import STOPPED_BY_SIGNAL, Stopped
 from multicard.launch import run_spec
-from multicard.stopping import Stopped
+
+
+class BenchStopped(Stopped):
+    def __str__(self) -> str:
+        return f"bench stopped by {signal.Signals(self.signum).name}"
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class Timing:
     repeats: int
 
 
-def cell_config(base: DictConfig, cell: Cell, gpus: int, out_dir: Path) -> DictConfig:
+def cell_config(base: Config, cell: Cell, gpus: int, out_dir: Path) -> Config:
     """The base config with this cell's strategy, devices, precision and variant applied."""
     if gpus == 0:
         devices = "cpu"
@@ -43,21 +46,21 @@ def cell_config(base: DictConfig, cell: Cell, gpus: int, out_dir: Path) -> DictC
         "train.resume=never",
         *cell.variant.overrides,
     ]
-    return config_from_dict(to_dict(base), overrides)
+    return with_overrides(base, overrides)
 
 
-def run_cell(cell: Cell, cfg: DictConfig, timing: Timing, workdir: Path) -> dict[str, Any]:
+def run_cell(cell: Cell, cfg: Config, timing: Timing, workdir: Path) -> dict[str, Any]:
     """Launch the cell's processes through torchrun's API; its rank 0's result, or the failure."""
     spec = {"cell": cell.as_dict(), "config": to_dict(cfg), "warmup": timing.warmup, "steps": timing.steps}
     code, result = run_spec("multicard.bench.worker", spec, cell.processes, workdir)
-    if code in (130, 138, 143):  # a signal stopped the cell: stop the whole matrix, not just this cell
-        raise Stopped(f"bench stopped by {signal.Signals(code - 128).name}", code - 128)
+    if code in STOPPED_BY_SIGNAL:  # a signal stopped the cell: stop the whole matrix, not just this cell
+        raise BenchStopped(code - 128, step=0)
     return result if result is not None else {"failed": f"worker exited with code {code}"}
 
 
 def run_matrix(
     cells: list[Cell],
-    configs: dict[Cell, DictConfig],
+    configs: dict[Cell, Config],
     timing: Timing,
     workdir: Path,
     on_result: Callable[[Cell, int, dict[str, Any]], None] = lambda cell, repeat, result: None,

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
+from multicard.config import DataConfig
 from multicard.data.decode import decoded, default_cache_dir, fit_square
-from multicard.data.device import Augment, DeviceBatches, DeviceEvalLoader, DeviceTrainLoader, TensorImages
+from multicard.data.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
+from multicard.data.device_transform import Augment, DeviceTransform
+from multicard.data.loaders import EvalLoader, TrainLoader
 from multicard.data.sampling import BatchPlan, ShardedBatchSampler
 from multicard.data.sources import (
     Files,
@@ -26,8 +27,8 @@ from multicard.data.sources import (
 from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
 from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
-from multicard.dist import cpu_cores
 from multicard.errors import UserError
+from multicard.process_group import ProcessContext, cpu_cores
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
 MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory
@@ -35,9 +36,10 @@ MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at m
 
 @dataclass
 class Data:
-    train: DeviceTrainLoader | WorkerTrainLoader | None
-    val: DeviceEvalLoader | WorkerEvalLoader
+    train: TrainLoader | None
+    val: EvalLoader
     num_classes: int
+    classes: list[str]
     loader: str  # device | workers
 
     def close(self) -> None:
@@ -47,12 +49,11 @@ class Data:
                 loader.close()
 
 
-def read_splits(cfg: DictConfig, need_train: bool = True) -> Splits:
+def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
     """Training and validation sources named by the config (nothing decoded yet for folders).
 
     Evaluating on data.val_root needs no training data: its class folders define the labels.
     """
-    d = cfg.data
     if d.val_root and not need_train:
         val, classes = scan_folder(Path(d.val_root), "data.val_root")
         empty = InMemory(torch.empty(0, 3, d.image_size, d.image_size, dtype=torch.uint8), torch.empty(0).long())
@@ -60,8 +61,8 @@ def read_splits(cfg: DictConfig, need_train: bool = True) -> Splits:
     if d.name == "synthetic":
         if not 2 <= d.num_classes <= len(CLASSES):
             raise UserError(f"data.num_classes={d.num_classes} must be in 2..{len(CLASSES)} for synthetic data")
-        train = InMemory(*make_synthetic(d.train_size, d.image_size, cfg.seed, d.num_classes))
-        val = InMemory(*make_synthetic(d.val_size, d.image_size, cfg.seed + VAL_SEED_OFFSET, d.num_classes))
+        train = InMemory(*make_synthetic(d.train_size, d.image_size, seed, d.num_classes))
+        val = InMemory(*make_synthetic(d.val_size, d.image_size, seed + VAL_SEED_OFFSET, d.num_classes))
         splits = Splits(train, val, list(CLASSES[: d.num_classes]))
     elif d.name == "cifar10":
         splits = cifar10(Path(d.root), d.download)
@@ -74,9 +75,8 @@ def read_splits(cfg: DictConfig, need_train: bool = True) -> Splits:
     return splits
 
 
-def choose_loader(cfg: DictConfig, splits: Splits, device: torch.device, local_world_size: int) -> str:
+def choose_loader(d: DataConfig, splits: Splits, device: torch.device, local_world_size: int) -> str:
     """auto: the device loader when images are small and the decoded set fits a share of memory."""
-    d = cfg.data
     if d.loader == "device" and not is_small(d.image_size):
         raise UserError(
             f"data.loader=device keeps images of up to 64 px decoded; data.image_size={d.image_size} "
@@ -102,56 +102,47 @@ def _in_memory(source: Source, size: int, cache_dir: Path | None, write: bool, r
     return source
 
 
-def build_data(
-    cfg: DictConfig,
-    plan: BatchPlan | None,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    local_rank: int = 0,
-    local_world_size: int = 1,
-    barrier: Callable[[], None] = lambda: None,
-) -> Data:
+def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessContext) -> Data:
     """Training (when `plan` is given) and validation loaders for this rank.
 
     The device loader decodes image files once per machine: local rank 0 decodes (or reads the
-    cache) and fills the cache, the other ranks wait at `barrier`, then read the cache.
+    cache) and fills the cache first, then the other local ranks read it.
     """
-    d = cfg.data
-    splits = read_splits(cfg, need_train=plan is not None)
-    kind = choose_loader(cfg, splits, device, local_world_size)
+    splits = read_splits(d, seed, need_train=plan is not None)
+    kind = choose_loader(d, splits, ctx.device, ctx.local_world_size)
     small = is_small(d.image_size)
     augment = Augment(d.crop_padding, flip=True) if d.augment and small else None
-    train_finish = DeviceBatches(d.mean, d.std, device, augment, cfg.seed)
-    eval_finish = DeviceBatches(d.mean, d.std, device, None, cfg.seed)
-    sampler = ShardedBatchSampler(len(splits.train), plan, rank, cfg.seed) if plan is not None else None
+    train_finish = DeviceTransform(d.mean, d.std, ctx.device, augment, seed)
+    eval_finish = DeviceTransform(d.mean, d.std, ctx.device, None, seed)
+    sampler = ShardedBatchSampler(len(splits.train), plan, ctx.rank, seed) if plan is not None else None
+    classes, num_classes = splits.classes, len(splits.classes)
 
     if kind == "device":
         cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
         parts = {"val": splits.val} if plan is None else {"train": splits.train, "val": splits.val}
-        any_files = any(isinstance(s, Files) for s in parts.values())
-        if any_files and local_rank != 0:
-            barrier()  # wait for local rank 0 to fill the cache
-        arrays = {
-            role: _in_memory(src, d.image_size, cache_dir, local_rank == 0, role) for role, src in parts.items()
-        }
-        if any_files and local_rank == 0:
-            barrier()
-        val = DeviceEvalLoader(TensorImages(arrays["val"], device), d.eval_batch_size, rank, world_size, eval_finish)
+        with ctx.local_main_first():
+            arrays = {
+                role: _in_memory(src, d.image_size, cache_dir, ctx.is_local_main, role) for role, src in parts.items()
+            }
+        val = DeviceEvalLoader(
+            TensorImages(arrays["val"], ctx.device), d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish
+        )
         train = None
         if sampler is not None:
-            train = DeviceTrainLoader(TensorImages(arrays["train"], device), sampler, train_finish)
-        return Data(train, val, len(splits.classes), kind)
+            train = DeviceTrainLoader(TensorImages(arrays["train"], ctx.device), sampler, train_finish)
+        return Data(train, val, num_classes, classes, kind)
 
-    workers = d.num_workers if d.num_workers >= 0 else max(1, min(8, cpu_cores() // local_world_size))
+    workers = d.num_workers if d.num_workers >= 0 else max(1, min(8, cpu_cores() // ctx.local_world_size))
     eval_resize = d.eval_resize or round(d.image_size * 8 / 7)
     eval_tf = FitSquare(d.image_size) if small else FitSquare(d.image_size, eval_resize)
     if small or not d.augment:
         train_tf = eval_tf
     else:
-        train_tf = RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=cfg.seed)
-    val = WorkerEvalLoader(splits.val, eval_tf, d.eval_batch_size, rank, world_size, eval_finish, workers, cfg.seed)
+        train_tf = RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=seed)
+    val = WorkerEvalLoader(
+        splits.val, eval_tf, d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish, workers, seed
+    )
     train = None
     if sampler is not None:
-        train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, cfg.seed, rank)
-    return Data(train, val, len(splits.classes), kind)
+        train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, seed, ctx.rank)
+    return Data(train, val, num_classes, classes, kind)

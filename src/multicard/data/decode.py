@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from multicard.checkpoint import save_atomic
+from multicard.atomic import save_atomic
 from multicard.data.sources import Files, InMemory
 from multicard.errors import UserError
 

@@ -7,46 +7,15 @@ a few kernels per batch and never decodes an image twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 
-from multicard.data.augment import crop_flip
+from multicard.data.device_transform import DeviceTransform
+from multicard.data.loaders import SampledTrainLoader
 from multicard.data.sampling import ShardedBatchSampler, eval_shard
 from multicard.data.sources import InMemory
 from multicard.data.transfer import to_device
-
-
-@dataclass(frozen=True)
-class Augment:
-    """The small-image recipe: random crop after zero padding, horizontal flip."""
-
-    padding: int
-    flip: bool
-
-
-class DeviceBatches:
-    """Turns uint8 batches into float training input on the device: crop/flip, then normalise."""
-
-    def __init__(
-        self, mean: Sequence[float], std: Sequence[float], device: torch.device, augment: Augment | None, seed: int
-    ) -> None:
-        self.device = device
-        self.augment = augment
-        self.seed = seed
-        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
-        self.inv_std = 1 / (torch.tensor(std, device=device).view(1, -1, 1, 1) * 255)
-
-    def __call__(
-        self, x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, epoch: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`indices` (CPU) are the samples' dataset indices: they, not the batch, key the randomness."""
-        x = x.to(self.device, non_blocking=True)
-        y = y.to(self.device, non_blocking=True)
-        if self.augment is not None:
-            x = crop_flip(x, indices, self.seed, epoch, self.augment.padding, self.augment.flip)
-        return (x.float() - self.mean) * self.inv_std, y
 
 
 class TensorImages:
@@ -65,23 +34,13 @@ class TensorImages:
         return self.images.index_select(0, on_device), self.labels.index_select(0, on_device)
 
 
-class DeviceTrainLoader:
+class DeviceTrainLoader(SampledTrainLoader):
     """Yields (x, y) micro-batches of this rank for one epoch; call set_epoch first."""
 
-    def __init__(self, data: TensorImages, sampler: ShardedBatchSampler, finish: DeviceBatches):
+    def __init__(self, data: TensorImages, sampler: ShardedBatchSampler, finish: DeviceTransform):
+        super().__init__(sampler)
         self.data = data
-        self.sampler = sampler
         self.finish = finish
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.data)
-
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        self.sampler.set_epoch(epoch, start_step)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
 
     def close(self) -> None:
         pass
@@ -94,7 +53,7 @@ class DeviceTrainLoader:
 class DeviceEvalLoader:
     """Yields (x, y) batches of this rank's share of the evaluation set, each sample once."""
 
-    def __init__(self, data: TensorImages, batch_size: int, rank: int, world_size: int, finish: DeviceBatches):
+    def __init__(self, data: TensorImages, batch_size: int, rank: int, world_size: int, finish: DeviceTransform):
         self.data = data
         self.batch_size = batch_size
         self.shard = eval_shard(len(data), rank, world_size)

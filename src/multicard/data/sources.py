@@ -7,13 +7,15 @@ reads and splits them, and turns bad layouts into one-line errors.
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from multicard.errors import UserError
 
@@ -67,21 +69,55 @@ def seeded_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torc
 # ---------------------------------------------------------------- image folders
 
 
+def _hidden(name: str) -> bool:
+    return name.startswith(".")  # .ipynb_checkpoints, .DS_Store, .git: never classes or images
+
+
+def _class_images(directory: Path, class_dir: str) -> list[str]:
+    """Image files under directory/class_dir (any depth, links followed), in a stable order.
+
+    Anything that is not a regular file behind an image name (a FIFO, a socket, a link to
+    nothing) is an error naming it: reading it would hang or fail mid-epoch.
+    """
+    found = []
+    for root, _, files in sorted(os.walk(directory / class_dir, followlinks=True)):
+        if any(_hidden(part) for part in Path(root).relative_to(directory).parts):
+            continue
+        for name in sorted(files):
+            if _hidden(name) or not name.lower().endswith(IMG_EXTENSIONS):
+                continue
+            path = Path(root) / name
+            try:
+                mode = path.stat().st_mode
+            except FileNotFoundError:
+                raise UserError(f"{path} is a broken symbolic link; remove it or fix its target") from None
+            if not stat.S_ISREG(mode):
+                raise UserError(f"{path} is not a regular file (a FIFO, socket or device); remove it from the folder")
+            found.append(str(path.relative_to(directory)))
+    return found
+
+
 def scan_folder(directory: Path, what: str) -> tuple[Files, list[str]]:
-    """All images under directory/<class>/..., classes sorted by name."""
+    """All images under directory/<class>/..., classes sorted by name (hidden folders skipped)."""
+    layout = f"expected {directory}/<class>/<image files>"
     if not directory.is_dir():
-        raise UserError(f"{what} {directory} is not a directory; expected {directory}/<class>/<image files>")
-    try:
-        classes, class_to_idx = find_classes(str(directory))
-        samples = make_dataset(str(directory), class_to_idx, extensions=IMG_EXTENSIONS)
-    except (FileNotFoundError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0]
-        raise UserError(f"{what} {directory}: {first}; expected {directory}/<class>/<image files>") from None
-    if not samples:
-        raise UserError(f"{what} {directory} holds no images; expected {directory}/<class>/<image files>")
-    paths = [str(Path(p).relative_to(directory)) for p, _ in samples]
-    labels = torch.tensor([y for _, y in samples], dtype=torch.int64)
-    return Files(directory, paths, labels), classes
+        raise UserError(f"{what} {directory} is not a directory; {layout}")
+    classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not _hidden(e.name))
+    if not classes:
+        raise UserError(f"{what} {directory}: Couldn't find any class folder in {directory}; {layout}")
+    paths: list[str] = []
+    labels: list[int] = []
+    empty = []
+    for label, name in enumerate(classes):
+        images = _class_images(directory, name)
+        empty += [] if images else [name]
+        paths += images
+        labels += [label] * len(images)
+    if not paths:
+        raise UserError(f"{what} {directory} holds no images; {layout}")
+    if empty:
+        raise UserError(f"{what} {directory}: class folder {empty[0]} holds no images; add some or remove it")
+    return Files(directory, paths, torch.tensor(labels, dtype=torch.int64)), classes
 
 
 def image_folder(root: Path, val_fraction: float, split_seed: int) -> Splits:
@@ -92,6 +128,11 @@ def image_folder(root: Path, val_fraction: float, split_seed: int) -> Splits:
             f"(and optionally {root}/val/<class>/...)"
         )
     train, classes = scan_folder(root / "train", "data.root")
+    if len(classes) < 2:
+        raise UserError(
+            f"data.root={root}/train has {len(classes)} class folder ({classes[0]}); a classifier needs at least 2 "
+            f"(one class folder per label under train/)"
+        )
     if (root / "val").is_dir():
         val, val_classes = scan_folder(root / "val", "data.root")
         check_same_classes(classes, val_classes, root / "val")

@@ -4,7 +4,7 @@ For datasets too large for memory or images too large to keep decoded. Batches f
 same `ShardedBatchSampler` as the device loader, and each sample's randomness is keyed by
 (seed, epoch, index), so batches depend neither on the world size nor on the worker count.
 Workers hand over uint8 tensors (4× less to copy than floats); normalisation, and the
-small-image crop/flip, run on the training device in `DeviceBatches`.
+small-image crop/flip, run on the training device in `DeviceTransform`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from multicard.data.augment import sample_random
 from multicard.data.decode import read_image
-from multicard.data.device import DeviceBatches
+from multicard.data.device_transform import DeviceTransform
+from multicard.data.loaders import SampledTrainLoader
 from multicard.data.sampling import ShardedBatchSampler, eval_shard
 from multicard.data.sources import Files, Source
 from multicard.errors import UserError
@@ -112,7 +113,7 @@ def shutdown_workers(loader: DataLoader) -> None:
         loader._iterator = None
 
 
-def _batches(loader: DataLoader, finish: DeviceBatches, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(loader: DataLoader, finish: DeviceTransform, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     try:
         for x, y, indices in loader:
             yield finish(x, y, indices, epoch)
@@ -120,7 +121,7 @@ def _batches(loader: DataLoader, finish: DeviceBatches, epoch: int) -> Iterator[
         raise _one_line_worker_error(exc) from None
 
 
-class WorkerTrainLoader:
+class WorkerTrainLoader(SampledTrainLoader):
     """Yields (x, y) micro-batches of this rank for one epoch; call set_epoch first."""
 
     def __init__(
@@ -128,25 +129,15 @@ class WorkerTrainLoader:
         source: Source,
         transform: Transform,
         sampler: ShardedBatchSampler,
-        finish: DeviceBatches,
+        finish: DeviceTransform,
         num_workers: int,
         seed: int,
         rank: int,
     ) -> None:
-        self.sampler = sampler
+        super().__init__(sampler)
         self.finish = finish
-        self.dataset = SourceImages(source, transform)
-        self.loader = _data_loader(self.dataset, _EpochKeys(sampler), num_workers, finish.device, seed, rank)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.dataset)
-
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        self.sampler.set_epoch(epoch, start_step)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
+        dataset = SourceImages(source, transform)
+        self.loader = _data_loader(dataset, _EpochKeys(sampler), num_workers, finish.device, seed, rank)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, self.sampler.epoch)
@@ -165,7 +156,7 @@ class WorkerEvalLoader:
         batch_size: int,
         rank: int,
         world_size: int,
-        finish: DeviceBatches,
+        finish: DeviceTransform,
         num_workers: int,
         seed: int,
     ) -> None:

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from rich.console import Console
 
-from multicard.config import config_from_dict, load_config, to_dict
-from multicard.errors import MulticardError, UserError
+from multicard.config import Config, load_config, to_dict, with_overrides
+from multicard.errors import ExitCode, MulticardError, UserError
 from multicard.launch import run_spec
 from multicard.models import build_model
 from multicard.verify.checks import (
+    FAULTS,
     Outcome,
     check_coverage,
     compare_eval,
@@ -28,13 +28,12 @@ from multicard.verify.checks import (
     has_batchnorm,
     has_dropout,
 )
-from multicard.verify.worker import FAULTS
 
 
 class VerifyFailed(MulticardError):
     """A check found a difference: the setup does not train like a single process."""
 
-    exit_code = 4
+    exit_code = ExitCode.VERIFY_FAILED
 
 
 @dataclass
@@ -47,7 +46,7 @@ class VerifyOptions:
     out: str | None = None  # keep the runs' files here (default: a temporary directory)
 
 
-def _run(cfg: DictConfig, nproc: int, steps: int, workdir: Path, fault: str | None, reference: Path | None) -> dict:
+def _run(cfg: Config, nproc: int, steps: int, workdir: Path, fault: str | None, reference: Path | None) -> dict:
     spec = {
         "config": to_dict(cfg),
         "steps": steps,
@@ -84,13 +83,13 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="multicard-verify-") as tmp:
         root = Path(options.out or tmp)
-        single_cfg = config_from_dict(to_dict(user), [*fixed, "strategy=single", f"out_dir={root / 'single'}"])
+        single_cfg = with_overrides(user, [*fixed, "strategy=single", f"out_dir={root / 'single'}"])
         multi_overrides = [*fixed, "strategy=ddp", f"out_dir={root / 'ddp'}"]
         bn_note = ""
         if has_batchnorm(probe):
             multi_overrides.append("sync_bn=true")  # per-rank statistics would differ from one process's
             bn_note = " (BatchNorm over the global batch: sync_bn=true)"
-        multi_cfg = config_from_dict(to_dict(user), multi_overrides)
+        multi_cfg = with_overrides(user, multi_overrides)
         broken = f"; broken on purpose: {options.fault}" if options.fault else ""
         console.print(
             f"multicard verify: {user.model.name}, global batch {user.train.global_batch_size}, {options.steps} steps "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+FAULTS = ("no-set-epoch", "rank-seed")  # setups broken on purpose (`multicard verify --break`)
 PARAM_RTOL = 1e-9  # float64: reduction order alone moves parameters by ~1e-15 relative
 LOSS_RTOL = 1e-12
 

@@ -1,8 +1,8 @@
 """One rank of a verify run: `python -m multicard.verify.worker SPEC.json`.
 
-Builds the run with `run.session` as `multicard train` does, records the samples each rank
-is given in the first epochs, trains K optimizer steps, and (rank 0) saves the parameters and
-an evaluation of the reference parameters with this many processes.
+Builds the run with `session.open_session` as `multicard train` does, records the samples each
+rank is given in the first epochs, trains K optimizer steps through `Trainer.fit`, and (rank 0)
+saves the parameters and an evaluation of the reference parameters with this many processes.
 
 `fault` breaks the setup on purpose, so users (and our tests) can see verify catch it:
 no-set-epoch (the sampler never learns the epoch) or rank-seed (each rank shuffles with its
@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
-from multicard import run
 from multicard.config import config_from_dict
-from multicard.dist import detect_env
-from multicard.engine import evaluate
+from multicard.process_group import detect_env, die_with_launcher
+from multicard.session import open_session
+from multicard.trainer import evaluate
 
-FAULTS = ("no-set-epoch", "rank-seed")
 COVERAGE_EPOCHS = 2
 
 
@@ -44,28 +43,21 @@ def _sample_indices(loader: Any, epochs: int) -> list[list[int]]:
     return out
 
 
-def _train(s: run.Session, steps: int) -> None:
-    trainer, epoch = s.trainer, 0
-    while trainer.pos.global_step < steps:
-        trainer.train_epoch(epoch, min(trainer.steps_per_epoch, steps - trainer.pos.global_step))
-        epoch += 1
-        trainer.pos.step_in_epoch = 0
-
-
 def main(argv: list[str]) -> int:
+    die_with_launcher(detect_env())
     spec = json.loads(Path(argv[0]).read_text())
     cfg = config_from_dict(spec["config"])
     steps, fault = spec["steps"], spec.get("fault")
-    with run.session(cfg, detect_env(), quiet=True) as s:
+    with open_session(cfg, detect_env()) as s:
         loader = s.trainer.train_loader
         _inject(fault, loader, s.ctx.rank)
         coverage = s.strategy.all_gather_object(_sample_indices(loader, COVERAGE_EPOCHS))
-        _train(s, steps)
+        s.trainer.fit(until=steps, validate=False)
         params = {k: v.detach().cpu().clone() for k, v in s.trainer.bare.state_dict().items()}
         reference = spec.get("reference")
         if reference:  # evaluate the single run's parameters with this many processes
             s.trainer.bare.load_state_dict(torch.load(reference, map_location=s.ctx.device))
-        result = evaluate(s.trainer.bare, s.data.val, s.strategy, cfg.model.channels_last)
+        result = evaluate(s.trainer.bare, s.data.val, s.strategy)
         if s.ctx.is_main:
             torch.save(params, spec["params"])
             summary = {

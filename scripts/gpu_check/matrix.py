@@ -7,7 +7,7 @@ compile). The workload is the throughput benchmark's: resnet18_cifar on 32×32 s
 batch 512 per GPU, two epochs of 20 steps; the second epoch is timed. `vs_single` is img/s per
 GPU over single's at the same precision and compile setting (target on one GPU: >= 0.95).
 
-    python bench/gpu_matrix.py --out runs/gpu-matrix [--budget-s 330] [KEY=VALUE ...]
+    python scripts/gpu_check/matrix.py --out runs/gpu-matrix [--budget-s 330] [KEY=VALUE ...]
 
 Without CUDA every run is reported as skipped, with the reason; `--cpu` runs the single and
 ddp rows on the CPU instead (a check of this script: pass small-model overrides).

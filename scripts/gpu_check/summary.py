@@ -1,11 +1,11 @@
 """Summarise a GPU check directory: summary.json, summary.md (a short table), the table on stdout.
 
 Reads what scripts/gpu_check.sh left in OUT_DIR: cuda_tests.xml (pytest's JUnit report),
-matrix/matrix.json (bench/gpu_matrix.py), throughput/throughput.json (bench/gpu_throughput.py)
+matrix/matrix.json (matrix.py), throughput/throughput.json (throughput.py)
 and steps.json (each step's exit code and seconds). Needs only torch and the standard library,
 so it reports even when multicard's own dependencies are missing.
 
-    python bench/gpu_summary.py OUT_DIR
+    python scripts/gpu_check/summary.py OUT_DIR
 """
 
 from __future__ import annotations

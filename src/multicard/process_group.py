@@ -1,25 +1,31 @@
 """Who am I and how do I talk to the others: the one place that reads launcher variables.
 
 `detect_env` reads torchrun's and Slurm's variables (nothing else in multicard does);
-`setup` starts the process group and returns a frozen `DistContext`; `teardown` ends it.
+`setup` starts the process group and returns a frozen `ProcessContext`; `teardown` ends it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import socket
+import sys
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from multicard.errors import UserError
+from multicard.errors import ExitCode, UserError
 
 SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id above this base
+LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
+PR_SET_PDEATHSIG = 1  # prctl option: a signal for this process when its parent dies
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class ProcessEnv:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    launcher_pid: int | None = None  # multicard's own launcher started this worker
+    restart: int = 0  # how many times torchrun's agent has restarted the workers (--max-restarts)
 
     @property
     def launched(self) -> bool:
@@ -41,7 +49,7 @@ class ProcessEnv:
 
 
 @dataclass(frozen=True)
-class DistContext:
+class ProcessContext:
     """What every layer below launch needs to know about this process."""
 
     rank: int
@@ -54,6 +62,26 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op in one process)."""
+        if self.distributed:
+            dist.barrier()
+
+    @contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Local rank 0 runs the block first (filling a cache, say); the others run it after."""
+        if not self.is_local_main:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.is_local_main:
+                self.barrier()
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -113,6 +141,8 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return ProcessEnv(
             source="torchrun",
+            launcher_pid=_int(environ, LAUNCHER_PID) if LAUNCHER_PID in environ else None,
+            restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
             rank=_int(environ, "RANK"),
             local_rank=_int(environ, "LOCAL_RANK", default=0),
             world_size=_int(environ, "WORLD_SIZE"),
@@ -138,6 +168,29 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
             master_port=_int(environ, "MASTER_PORT", default=SLURM_DEFAULT_PORT_BASE + job_id % 20000),
         )
     return ProcessEnv(source="none")
+
+
+def die_with_launcher(env: ProcessEnv) -> None:
+    """A worker of multicard's launcher gets SIGTERM when the launcher dies, however it dies
+    (SIGKILL by the out-of-memory killer or a scheduler): it then stops like on any SIGTERM,
+    with a checkpoint if training, at once if still starting. Linux only; elsewhere a no-op."""
+    if env.launcher_pid is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != env.launcher_pid:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def communication_failure(exc: BaseException) -> ExitCode | None:
+    """STALLED for a collective that timed out, PEER_LOST for a connection another rank dropped
+    (it failed, was killed or its node went away); None if `exc` is not a communication failure."""
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and ("gloo" in text or "NCCL" in text))):
+        return None
+    if re.search(r"timed out|timeout", text, re.IGNORECASE):
+        return ExitCode.STALLED
+    return ExitCode.PEER_LOST
 
 
 def cuda_count() -> int:
@@ -209,10 +262,10 @@ def wait_for_master(addr: str, port: int, timeout_s: float, hint: str) -> None:
 
 def setup(
     env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, timeout_s: int, socket_ifname: str | None = None
-) -> DistContext:
+) -> ProcessContext:
     """Pick this process's device, set thread count, and start the process group if asked."""
     if gpus:
-        # run.check_topology has made sure there is a GPU for every local rank.
+        # topology.plan has made sure there is a GPU for every local rank.
         gpu = gpus[env.local_rank] if distributed else gpus[0]
         device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
@@ -223,24 +276,26 @@ def setup(
         timeout = timedelta(seconds=timeout_s)
         select_interface(socket_ifname)
         if env.source == "slurm" and env.rank != 0:
-            hint = "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls"
-            wait_for_master(env.master_addr, env.master_port, timeout_s, f"{hint}, or raise dist_timeout_s")
+            hint = (
+                "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls, "
+                "or raise dist_timeout_s"
+            )
+            wait_for_master(env.master_addr, env.master_port, timeout_s, hint)
         # torchrun's agent may already host the store (TORCHELASTIC_USE_AGENT_STORE): env://
         # joins it; srun has no agent, so rank 0 hosts one at the master address.
         url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
         store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
         # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted
         # rank from reading a dead peer's address left by the previous attempt.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            store=dist.PrefixStore(f"multicard/attempt-{attempt}", store),
+            store=dist.PrefixStore(f"multicard/attempt-{env.restart}", store),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    return DistContext(
+    return ProcessContext(
         rank=env.rank if distributed else 0,
         local_rank=env.local_rank if distributed else 0,
         world_size=env.world_size if distributed else 1,

@@ -10,18 +10,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from multicard.bench.measure import StepClock, summary_ms
-from multicard.bench.plain import device_batches, device_for, model_for, optimizer_for, set_threads
-from multicard.dist import detect_env
+from multicard.config import Config
+from multicard.process_group import detect_env
+from multicard_yardsticks.plain import device_batches, device_for, model_for, optimizer_for, set_threads
 
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "fp64": "64-true"}
 ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def run_framework(
-    runner: str, cfg: DictConfig, strategy: str, world_size: int, warmup: int, steps: int
+    runner: str, cfg: Config, strategy: str, world_size: int, warmup: int, steps: int
 ) -> dict[str, Any] | None:
     env = detect_env()
     processes = world_size if strategy == "ddp" else 1
@@ -35,7 +35,7 @@ def run_framework(
 
 
 def _lightning(
-    cfg: DictConfig, device: torch.device, strategy: str, processes: int, batch: int, rank: int,
+    cfg: Config, device: torch.device, strategy: str, processes: int, batch: int, rank: int,
     clock: StepClock, total: int,
 ) -> int:  # fmt: skip
     import lightning as L
@@ -88,7 +88,7 @@ class _Epoch:
 
 
 def _accelerate(
-    cfg: DictConfig, device: torch.device, strategy: str, processes: int, batch: int, rank: int,
+    cfg: Config, device: torch.device, strategy: str, processes: int, batch: int, rank: int,
     clock: StepClock, total: int,
 ) -> int:  # fmt: skip
     from accelerate import Accelerator

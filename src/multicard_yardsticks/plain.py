@@ -14,30 +14,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from multicard.bench.measure import StepClock, summary_ms
+from multicard.config import Config
 from multicard.data.synthetic import make_synthetic
-from multicard.dist import detect_env, threads_per_process
 from multicard.models import build_model
+from multicard.process_group import detect_env, threads_per_process
 
 
-def device_for(cfg: DictConfig, local_rank: int) -> torch.device:
+def device_for(cfg: Config, local_rank: int) -> torch.device:
     on_gpu = cfg.devices != "cpu" and torch.cuda.is_available()
     return torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
 
 
-def set_threads(cfg: DictConfig, processes: int) -> None:
+def set_threads(cfg: Config, processes: int) -> None:
     torch.set_num_threads(threads_per_process(cfg.threads, processes))  # as multicard sets them
 
 
-def model_for(cfg: DictConfig, device: torch.device) -> nn.Module:
+def model_for(cfg: Config, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.name, cfg.data.num_classes, dict(cfg.model.kwargs)).to(device)
     return model.to(memory_format=torch.channels_last) if cfg.model.channels_last else model
 
 
-def optimizer_for(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+def optimizer_for(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
     extra = {"fused": True} if o.fused else {}
     return torch.optim.SGD(
@@ -45,7 +45,7 @@ def optimizer_for(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def device_batches(cfg: DictConfig, device: torch.device, batch: int, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
+def device_batches(cfg: Config, device: torch.device, batch: int, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless (x, y) batches gathered from the embedded dataset's images, resident on the device."""
     n, size = cfg.data.train_size, cfg.data.image_size
     images, labels = make_synthetic(n, size, cfg.seed, cfg.data.num_classes)  # the embedded dataset's images
@@ -61,7 +61,7 @@ def device_batches(cfg: DictConfig, device: torch.device, batch: int, rank: int)
         step += 1
 
 
-def run_plain(cfg: DictConfig, strategy: str, world_size: int, warmup: int, steps: int) -> dict[str, Any] | None:
+def run_plain(cfg: Config, strategy: str, world_size: int, warmup: int, steps: int) -> dict[str, Any] | None:
     """Train warmup + steps steps; rank 0 returns the step-time summary (others None)."""
     distributed = strategy == "ddp"
     env = detect_env()

@@ -1,4 +1,4 @@
-"""How the model's kernels are chosen: cuDNN autotuning and torch.compile.
+"""How the model's kernels are chosen: torch.compile and cuDNN autotuning.
 
 Both change speed, not results beyond rounding. They are switched here and nowhere else.
 """

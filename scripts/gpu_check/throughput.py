@@ -12,7 +12,7 @@ warm-up (compilation, autotuning), the second is timed.
 - Loader share: the device loader alone makes `--loader-batches` batches (gather, crop/flip,
   normalise), timed between two CUDA synchronisations, over the timed step time.
 
-    python bench/gpu_throughput.py [--out runs/gpu-throughput] [KEY=VALUE ...]
+    python scripts/gpu_check/throughput.py [--out runs/gpu-throughput] [KEY=VALUE ...]
 
 Targets on an H100/H200-class GPU: MFU >= 30%, loader share <= 3%.
 """
@@ -34,6 +34,7 @@ from multicard.config import load_config
 from multicard.data import build_data
 from multicard.data.sampling import BatchPlan
 from multicard.models import build_model
+from multicard.process_group import ProcessContext
 
 STEPS_PER_EPOCH = 40
 WORKLOAD = [
@@ -89,7 +90,8 @@ def flops_per_image(cfg, device: torch.device, batch: int = 8) -> float:
 
 def loader_ms_per_batch(cfg, device: torch.device, batches: int) -> float:
     """Time the device loader alone: `batches` training batches between two synchronisations."""
-    data = build_data(cfg, BatchPlan(cfg.train.global_batch_size, 1, 1), 0, 1, device)
+    ctx = ProcessContext(0, 0, 1, 1, device, distributed=False)
+    data = build_data(cfg.data, cfg.seed, BatchPlan(cfg.train.global_batch_size, 1, 1), ctx)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     try:
         data.train.set_epoch(0)

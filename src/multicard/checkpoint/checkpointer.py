@@ -1,0 +1,191 @@
+"""The one owner of a run's checkpoint folder.
+
+It decides when to save (every N optimizer steps, at epoch ends, when the ranks agree to stop),
+writes through a format (one file by rank 0, or one shard per rank), points `last`/`best` at
+the newest and best checkpoints, keeps the newest `keep_last`, chooses what a run continues
+from (`train.resume` = auto / never / a path, passing over damaged ones) and checks that the
+run can continue it. The training loop only reports that a step or an epoch has ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from multicard import __version__
+from multicard.atomic import remove_temporaries
+from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_format, check_resumable
+from multicard.checkpoint.single_file import SingleFile
+from multicard.config import CheckpointConfig
+from multicard.errors import Stopped, UserError
+from multicard.phases import CHECKPOINT, IDLE
+from multicard.strategy import Strategy
+from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
+
+FORMATS = (SingleFile(),)
+
+
+def format_of(path: Path) -> Any:
+    """The format that reads `path`."""
+    for fmt in FORMATS:
+        if fmt.owns(path):
+            return fmt
+    raise UserError(f"checkpoint {path} is neither a step file (.pt) nor a step directory")
+
+
+def checkpoints_in(folder: Path) -> list[Path]:
+    """Every step checkpoint in `folder` (any format), newest first."""
+    found = [(step, path) for fmt in FORMATS for step, path in fmt.steps(folder)] if folder.is_dir() else []
+    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def read_checkpoint(path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A checkpoint's contents in the single-file layout, whatever its format."""
+    state = format_of(path).read(path, template)
+    check_format(state, path)
+    return state
+
+
+class Checkpointer(Callback):
+    def __init__(
+        self,
+        folder: Path,
+        strategy: Strategy,
+        options: CheckpointConfig,
+        run: RunFacts,
+        say: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.folder = folder
+        self.strategy = strategy
+        self.ctx = strategy.ctx
+        self.options = options
+        self.run = run
+        self.say = say
+        self.writer = FORMATS[0]
+        self.last_saved: tuple[int, Path] | None = None
+
+    # ------------------------------------------------------------ resume
+
+    def choose(self, mode: str) -> Path | None:
+        """What to continue from: agreed by every rank (None: start afresh).
+
+        auto: the newest checkpoint that reads, saying which damaged ones it passed over;
+        never: start afresh and remove the folder's old checkpoints; else the path given.
+        """
+        chosen: str | None = None
+        if self.ctx.is_main:
+            self._make_folder()
+        if self.ctx.is_main and self.folder.is_dir():
+            remove_temporaries(self.folder)
+            if mode == "never":
+                self._remove_all()
+            elif mode == "auto":
+                chosen = self._newest_valid()
+        if mode not in ("auto", "never"):
+            if not Path(mode).exists():
+                raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
+            chosen = mode  # every rank reads it, and a bad one fails on every rank
+        chosen = self.strategy.broadcast_object(chosen)
+        return Path(chosen) if chosen is not None else None
+
+    def _make_folder(self) -> None:
+        """Create the folder now, so a file in its way is said before any training, not after an epoch."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UserError(
+                f"{self.folder} is a file, not a folder for checkpoints; move it away or choose another out_dir"
+            ) from None
+        except OSError as exc:
+            raise UserError(f"cannot create {self.folder} ({exc.strerror}); choose a writable out_dir") from None
+
+    def _newest_valid(self) -> str | None:
+        for path in checkpoints_in(self.folder):
+            try:
+                read_checkpoint(path)
+            except UserError as exc:
+                self.say(f"warning: skipping damaged {str(exc).removeprefix('checkpoint ')}")
+                continue
+            return str(path)
+        return None
+
+    def _remove_all(self) -> None:
+        old = checkpoints_in(self.folder)
+        for path in old:
+            format_of(path).remove(path)
+        for fmt in FORMATS:
+            for name in fmt.pointers:
+                pointer = self.folder / name
+                if pointer.exists() or pointer.is_symlink():
+                    pointer.unlink()
+        if old:
+            self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
+
+    def restore(self, path: Path, trainer: Trainer) -> dict[str, Any]:
+        """Check that this run can continue `path`, then load it into the trainer; its contents."""
+        fmt = format_of(path)
+        state = read_checkpoint(path, template=trainer.state_dict() if fmt.needs_template else None)
+        check_resumable(state, path, self.run, trainer.bare)
+        parts = {k: state[k] for k in ("model", "optimizer", "scheduler", "scaler")}
+        trainer.load_state_dict({**parts, **state["resume"]})
+        self.last_saved = (trainer.position.global_step, path)
+        return state
+
+    # ------------------------------------------------------------ saving
+
+    def save(self, trainer: Trainer, val: EvalResult | None = None, best: bool = False) -> Path:
+        """Write the checkpoint of the current step (every rank calls it), then point last (and
+        best) at it and drop old ones; all ranks return once it is complete."""
+        trainer.set_phase(CHECKPOINT)
+        pos = trainer.position
+        state = trainer.state_dict()
+        contents = {
+            "multicard_version": __version__,
+            "format": FORMAT_VERSION,
+            "config": self.run.config,
+            "classes": self.run.classes,
+            "step": pos.global_step,
+            "epoch": pos.epoch - (1 if pos.step_in_epoch == 0 else 0),
+            "val": val.as_dict() if val is not None else None,
+            **{k: state[k] for k in ("model", "optimizer", "scheduler", "scaler")},
+            "resume": {
+                "position": state["position"],
+                "rng": state["rng"],
+                "steps_per_epoch": self.run.steps_per_epoch,
+                "world_size": self.run.world_size,
+            },
+        }
+        path = self.writer.path_for(self.folder, pos.global_step)
+        self.writer.write(path, contents, self.ctx)
+        if self.ctx.is_main:
+            self.writer.point(self.folder, "last", path)
+            if best:
+                self.writer.point(self.folder, "best", path)
+            self._rotate()
+        self.strategy.barrier()
+        self.last_saved = (pos.global_step, path)
+        trainer.set_phase(IDLE)
+        return path
+
+    def _rotate(self) -> None:
+        keep = self.writer.pinned(self.folder)
+        steps = sorted(self.writer.steps(self.folder), key=lambda item: item[0], reverse=True)
+        for _, path in steps[self.options.keep_last :]:
+            if path not in keep:
+                self.writer.remove(path)
+
+    # ------------------------------------------------------------ cadence (Trainer callbacks)
+
+    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+        every = self.options.every_steps
+        if every and step.global_step % every == 0 and not step.last_in_epoch and not step.stop_signal:
+            self.save(trainer)  # an epoch's last step is saved at its end, a stop's by on_stop
+
+    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
+        self.save(trainer, val, best)
+
+    def on_stop(self, trainer: Trainer, stop: Stopped) -> None:
+        if self.last_saved is None or self.last_saved[0] != trainer.position.global_step:
+            self.save(trainer)
+        stop.checkpoint = str(self.last_saved[1]) if self.last_saved else None

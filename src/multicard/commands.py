@@ -1,0 +1,127 @@
+"""What one process does for `multicard train` and `multicard eval` (cli.py parses and launches)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from multicard.checkpoint import Checkpointer, check_model_fits, read_checkpoint
+from multicard.checkpoint.compat import check_classes
+from multicard.config import Config, config_from_dict, to_yaml
+from multicard.data import build_data
+from multicard.errors import UserError
+from multicard.process_group import ProcessEnv, teardown
+from multicard.run_lock import RunLock
+from multicard.session import open_session, seeded_model, start_process
+from multicard.telemetry import Reporter, TrainingLog
+from multicard.topology import Topology, resolve
+from multicard.trainer import EvalResult, evaluate
+
+
+def prepare_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"out_dir={path} cannot be created ({exc.strerror}); choose a writable out_dir") from None
+    if not os.access(out, os.W_OK):
+        raise UserError(f"out_dir={path} is not writable; choose a writable out_dir")
+    return out
+
+
+def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:
+    """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
+    out_dir = prepare_out_dir(cfg.out_dir)
+    with RunLock(out_dir) as lock:
+        if env.launcher_pid is None and env.rank == 0:  # else multicard's launcher holds it
+            lock.acquire(print)
+        return _train_in(out_dir, cfg, env)
+
+
+def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
+    with open_session(cfg, env) as s:
+        trainer, plan = s.trainer, s.plan
+        reporter = Reporter(s.ctx.is_main)
+        checkpointer = Checkpointer(out_dir / "checkpoints", s.strategy, cfg.checkpoint, s.run, reporter.print)
+        try:
+            resume_from = checkpointer.choose(cfg.train.resume)
+            state = checkpointer.restore(resume_from, trainer) if resume_from is not None else None
+            reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=state["step"] if state is not None else None)
+            reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
+            reporter.print(
+                f"multicard: strategy={s.strategy.name} world_size={s.ctx.world_size} device={s.ctx.device.type} "
+                f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={s.data.loader} "
+                f"global_batch={plan.global_batch} "
+                f"(micro-batch {plan.micro_batch} × {s.ctx.world_size} process(es) × {plan.grad_accum} accum)"
+            )
+            if state is None:
+                for note in s.notes:
+                    reporter.print(note)
+            else:
+                again = f" (after restart {env.restart})" if env.restart else ""
+                reporter.print(
+                    f"resumed from {resume_from}{again}: epoch {trainer.position.epoch}, "
+                    f"step {trainer.position.global_step} of {trainer.schedule.total_steps}"
+                )
+            if trainer.finished:
+                reporter.print(
+                    f"nothing to train: this run is complete ({trainer.position.global_step} steps); "
+                    f"set train.resume=never or another out_dir to train again"
+                )
+                val = state["val"] if state is not None else None
+                return EvalResult(**val) if val else None
+            result = trainer.fit([checkpointer, TrainingLog(reporter)])
+            if result is not None:
+                reporter.print(
+                    f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "
+                    f"({result.samples} images)"
+                )
+            return result
+        finally:
+            reporter.close()
+
+
+def eval_config(state: dict[str, Any], overrides: list[str]) -> Config:
+    """The checkpoint's config with the overrides; evaluation runs as the launcher says (one
+    process, or ddp under a launcher), whatever strategy trained the checkpoint."""
+    return dataclasses.replace(config_from_dict(state["config"], overrides), strategy="auto")
+
+
+def check_eval(path: str, overrides: list[str], world_size: int, per_node: int) -> Topology:
+    """What `eval` checks before a launcher starts workers: the checkpoint reads, the config holds."""
+    cfg = eval_config(read_checkpoint(Path(path)), overrides)
+    return resolve(cfg, world_size, per_node, launched=True, training=False)
+
+
+def evaluate_checkpoint(path: str, overrides: list[str], env: ProcessEnv, as_json: bool) -> EvalResult:
+    """Exact evaluation of a checkpoint on the configured validation data, any world size."""
+    state = read_checkpoint(Path(path))
+    cfg = eval_config(state, overrides)
+    topology = resolve(cfg, env.world_size, env.local_world_size, env.launched, training=False)
+    ctx, strategy = start_process(cfg, env, topology)
+    try:
+        data = build_data(cfg.data, cfg.seed, None, ctx)
+        try:
+            check_classes(state, data.classes, path, "evaluate on data with the same class folders")
+            model = seeded_model(cfg.model, cfg.seed, data.num_classes, cfg.data.image_size)
+            check_model_fits(state["model"], model, path)
+            model.load_state_dict(state["model"])
+            # Eager even when the config says compile: one pass over the data would not repay compiling.
+            model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
+            result = evaluate(model, data.val, strategy)
+        finally:
+            data.close()
+        if ctx.is_main:
+            if as_json:
+                print(json.dumps(result.as_dict()))
+            else:
+                print(
+                    f"top-1 {result.top1:.2f}%  top-5 {result.top5:.2f}%  loss {result.loss:.4f}  "
+                    f"({result.samples} images, {ctx.world_size} process(es))"
+                )
+        return result
+    finally:
+        teardown()

@@ -1,0 +1,45 @@
+"""The last step of every loader, on the training device: crop/flip (small images), normalise.
+
+Both loaders hand over uint8 batches with their dataset indices; the indices, not the batch,
+key the randomness, so a sample is augmented alike whichever rank or loader reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from multicard.data.augment import crop_flip
+
+
+@dataclass(frozen=True)
+class Augment:
+    """The small-image recipe: random crop after zero padding, horizontal flip."""
+
+    padding: int
+    flip: bool
+
+
+class DeviceTransform:
+    """Turns uint8 batches into float training input on the device: crop/flip, then normalise."""
+
+    def __init__(
+        self, mean: Sequence[float], std: Sequence[float], device: torch.device, augment: Augment | None, seed: int
+    ) -> None:
+        self.device = device
+        self.augment = augment
+        self.seed = seed
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+        self.inv_std = 1 / (torch.tensor(std, device=device).view(1, -1, 1, 1) * 255)
+
+    def __call__(
+        self, x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, epoch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`indices` (CPU) are the samples' dataset indices."""
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        if self.augment is not None:
+            x = crop_flip(x, indices, self.seed, epoch, self.augment.padding, self.augment.flip)
+        return (x.float() - self.mean) * self.inv_std, y

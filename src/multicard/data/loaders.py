@@ -1,0 +1,53 @@
+"""What the trainer asks of a loader, whichever kind it is (device or workers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from multicard.data.sampling import ShardedBatchSampler
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input on the device, labels on the device)
+
+
+class TrainLoader(Protocol):
+    """This rank's micro-batches of one epoch, from a given optimizer step on."""
+
+    @property
+    def num_samples(self) -> int: ...
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def close(self) -> None: ...
+
+
+class EvalLoader(Protocol):
+    """This rank's share of the evaluation set, each sample once."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def close(self) -> None: ...
+
+
+class SampledTrainLoader:
+    """Base of both training loaders: the epoch, its start step and the sample count live in
+    the sampler, which decides the batches."""
+
+    def __init__(self, sampler: ShardedBatchSampler) -> None:
+        self.sampler = sampler
+
+    @property
+    def num_samples(self) -> int:
+        return self.sampler.num_samples
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_step)
+
+    def __len__(self) -> int:
+        return len(self.sampler)

@@ -1,0 +1,83 @@
+"""Where each optimizer step spends its time, measured from the trainer's phase changes.
+
+The trainer says which phase it enters (data, forward, backward, communication, optimizer);
+a phase lasts until the next one starts. On the CPU the marks are wall-clock times. On CUDA
+they are events recorded on the current stream, read only when someone asks for the seconds
+(at a log interval, after the host has synced anyway), so timing costs no extra sync.
+
+`communication` is the exposed part of gradient reduction: from the moment the last gradient
+of the step is computed until backward returns (DDP waits there for its last all-reduce).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER = "data", "forward", "backward", "communication", "optimizer"
+PHASES = (DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER)
+# Outside the step: a rank stuck here is named with these words by the stall report.
+IDLE, EVALUATION, CHECKPOINT = "idle", "evaluation", "checkpoint"
+
+
+@dataclass
+class StepTimes:
+    """The marks of one optimizer step: (phase entered, time or CUDA event), then ("end", ...)."""
+
+    marks: list[tuple[str, Any]]
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds spent in each phase of PHASES (waits for the device on CUDA)."""
+        out = dict.fromkeys(PHASES, 0.0)
+        if not self.marks:
+            return out
+        if isinstance(self.marks[-1][1], torch.cuda.Event):
+            self.marks[-1][1].synchronize()
+            gaps = [a.elapsed_time(b) / 1000 for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        else:
+            gaps = [b - a for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        for (phase, _), gap in zip(self.marks, gaps, strict=False):
+            if phase in out:
+                out[phase] += gap
+        return out
+
+
+class PhaseClock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.phase = IDLE
+        self._marks: list[tuple[str, Any]] = []
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        self._marks.append((phase, self._now()))
+
+    def set_phase(self, phase: str) -> None:
+        """Name what the process is doing outside a step (no timing)."""
+        self.phase = phase
+
+    def end_step(self) -> StepTimes:
+        self._marks.append(("end", self._now()))
+        marks, self._marks = self._marks, []
+        self.phase = IDLE
+        return StepTimes(marks)
+
+
+def split(seconds: dict[str, float]) -> dict[str, float]:
+    """The step-time split people read: data / compute / exposed communication / optimizer (ms)."""
+    return {
+        "data_ms": 1000 * seconds[DATA],
+        "compute_ms": 1000 * (seconds[FORWARD] + seconds[BACKWARD]),
+        "comm_exposed_ms": 1000 * seconds[COMMUNICATION],
+        "optimizer_ms": 1000 * seconds[OPTIMIZER],
+    }

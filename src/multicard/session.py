@@ -1,0 +1,118 @@
+"""Everything one training process builds from the config, ready to run.
+
+`train`, `multicard bench` and `multicard verify` all build their runs here and drive the same
+`Trainer.fit`, so they measure and check the very objects a training run uses.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from multicard.checkpoint import RunFacts
+from multicard.checkpoint.weights import load_weights
+from multicard.compilation import set_cudnn_benchmark
+from multicard.config import Config, ModelConfig, TrainConfig, to_dict
+from multicard.data import Data, build_data
+from multicard.data.sampling import BatchPlan
+from multicard.errors import MulticardError, Stopped
+from multicard.models import build_model, check_input_size
+from multicard.optim import build_optimizer, build_scheduler
+from multicard.precision import Precision
+from multicard.process_group import ProcessContext, ProcessEnv, setup, teardown
+from multicard.stopping import GracefulStop
+from multicard.strategy import ModelSetup, Strategy, make_strategy
+from multicard.topology import Topology, resolve
+from multicard.trainer import Schedule, Trainer
+
+
+def run_length(train: TrainConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
+    steps = train.epochs * steps_per_epoch
+    return min(steps, train.max_steps) if train.max_steps else steps
+
+
+def seeded_model(model: ModelConfig, seed: int, num_classes: int, image_size: int) -> torch.nn.Module:
+    """The untrained model, checked against the image size it will see."""
+    # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's).
+    torch.manual_seed(seed)
+    built = build_model(model.name, num_classes, dict(model.kwargs))
+    check_input_size(built, model.name, image_size, num_classes)
+    return built
+
+
+def seed_process(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def start_process(cfg: Config, env: ProcessEnv, topology: Topology) -> tuple[ProcessContext, Strategy]:
+    """Join the process group (if the strategy needs one), pick the device, build the strategy."""
+    ctx = setup(env, topology.gpus, topology.distributed, cfg.threads, cfg.dist_timeout_s, cfg.net.socket_ifname)
+    set_cudnn_benchmark(cfg.cudnn_benchmark)
+    model_setup = ModelSetup(cfg.model.channels_last, cfg.compile_mode if cfg.compile else None)
+    precision = Precision(cfg.precision, ctx.device.type)
+    strategy = make_strategy(topology, ctx, precision, model_setup, cfg.ddp, cfg.sync_bn)
+    return ctx, strategy
+
+
+@dataclass
+class Session:
+    cfg: Config
+    ctx: ProcessContext
+    strategy: Strategy
+    plan: BatchPlan
+    data: Data
+    trainer: Trainer
+    run: RunFacts  # what checkpoints of this run record
+    notes: list[str]  # lines for the run's console (what model.weights loaded)
+
+
+@contextmanager
+def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
+    """Set up the process group, data, model, optimizer and trainer, with graceful-stop signal
+    handling; tear all down on exit."""
+    topology = resolve(cfg, env.world_size, env.local_world_size, env.launched)
+    ctx, strategy = start_process(cfg, env, topology)
+    keep_group = False
+    try:
+        with ExitStack() as stack:
+            stop = stack.enter_context(GracefulStop(strategy.start_max, announce=ctx.is_main))
+            plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
+            data = build_data(cfg.data, cfg.seed, plan, ctx)
+            stack.callback(data.close)
+            assert data.train is not None
+            steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
+            bare = seeded_model(cfg.model, cfg.seed, data.num_classes, cfg.data.image_size)
+            notes = [load_weights(bare, cfg.model.weights)] if cfg.model.weights else []
+            model = strategy.prepare(bare)
+            seed_process(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
+            optimizer = build_optimizer(strategy.unwrap(model), cfg.optim, cfg.train.global_batch_size)
+            schedule = Schedule(
+                steps_per_epoch=steps_per_epoch,
+                total_steps=run_length(cfg.train, steps_per_epoch),
+                grad_accum=cfg.train.grad_accum,
+                log_every=cfg.log_every,
+                label_smoothing=cfg.train.label_smoothing,
+                clip_grad_norm=cfg.clip_grad_norm,
+            )
+            scheduler = build_scheduler(optimizer, cfg.sched, schedule.total_steps, steps_per_epoch)
+            trainer = Trainer(strategy, model, optimizer, scheduler, data.train, data.val, schedule, stop)
+            run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size)
+            yield Session(cfg, ctx, strategy, plan, data, trainer, run, notes)
+    except MulticardError as exc:
+        # An error of this rank alone: leave the process group open on the way out, so peers see
+        # its connections close only once it has exited (cli.main exits right after the message)
+        # and the launcher reports this rank's exit code, not a peer's "connection closed".
+        # A graceful stop is every rank's decision: it tears down as usual.
+        keep_group = ctx.world_size > 1 and not isinstance(exc, Stopped)
+        raise
+    finally:
+        if not keep_group:
+            teardown()

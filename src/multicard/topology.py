@@ -1,0 +1,79 @@
+"""Which strategy runs on which devices: decided once per process, before anything starts.
+
+`resolve` is the only place that turns `strategy=auto` into a strategy and checks the config
+against the process count and the GPUs present. The launcher calls it before starting
+workers (so bad input costs no start-up), and each worker once more for its own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multicard.config import Config, parse_devices
+from multicard.data.sampling import BatchPlan
+from multicard.errors import UserError
+from multicard.process_group import resolve_gpus
+
+ONE_PROCESS = ("single", "dp")  # strategies that run in one process
+
+
+@dataclass(frozen=True)
+class Topology:
+    strategy: str  # single | dp | ddp
+    gpus: list[int]  # GPU ids in use; [] = CPU
+    world_size: int
+    local_world_size: int
+
+    @property
+    def distributed(self) -> bool:
+        """A process group is needed (ddp), even with one process."""
+        return self.strategy not in ONE_PROCESS
+
+
+def resolve_strategy(requested: str, launched: bool, world_size: int) -> str:
+    """auto → ddp under a launcher (torchrun, srun, --nproc-per-node; even with one process),
+    else single. single and dp cannot run as several processes."""
+    if requested == "auto":
+        return "ddp" if launched else "single"
+    if requested in ONE_PROCESS and world_size > 1:
+        raise UserError(
+            f"strategy={requested} runs in one process but the launcher starts {world_size}; use strategy=ddp (or auto)"
+        )
+    return requested
+
+
+def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool, training: bool = True) -> Topology:
+    """The strategy and GPUs for `world_size` processes, or a one-line UserError saying what to change."""
+    strategy = resolve_strategy(cfg.strategy, launched, world_size)
+    gpus = resolve_gpus(parse_devices(cfg.devices))
+    if strategy == "ddp" and gpus and local_world_size > len(gpus):
+        raise UserError(
+            f"{local_world_size} processes per node but only {len(gpus)} GPU(s) in use; "
+            f"lower --nproc-per-node to {len(gpus)} or set devices=cpu"
+        )
+    if strategy == "dp" and not gpus:
+        raise UserError(
+            "strategy=dp needs CUDA GPUs and none is in use; use strategy=ddp with "
+            "--nproc-per-node N for several CPU processes, or strategy=single"
+        )
+    if cfg.ddp.comm_hook == "powersgd" and strategy == "ddp" and not gpus:
+        # torch's PowerSGD hook waits for a second all-reduce inside gloo's worker threads: with
+        # several gradient buckets those threads block each other and the job hangs.
+        raise UserError(
+            "ddp.comm_hook=powersgd needs CUDA GPUs (NCCL); on CPU (gloo) it can deadlock. "
+            "Use ddp.comm_hook=fp16 or bf16 on CPU"
+        )
+    if cfg.sync_bn and strategy == "dp":
+        raise UserError("sync_bn=true is not supported by strategy=dp (each replica normalises its chunk); use ddp")
+    if cfg.compile and strategy == "dp" and len(gpus) > 1:
+        # DataParallel copies the model to every GPU at each step, and a compiled forward stays
+        # bound to the original, on the first GPU.
+        raise UserError(f"compile=true is not supported by strategy=dp over {len(gpus)} GPUs; use strategy=ddp")
+    if training:
+        plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
+        if strategy == "dp" and plan.micro_batch % len(gpus):
+            raise UserError(
+                f"strategy=dp splits each micro-batch of {plan.micro_batch} over {len(gpus)} GPUs; "
+                f"make train.global_batch_size / train.grad_accum a multiple of {len(gpus)}"
+            )
+    return Topology(strategy, gpus, world_size, local_world_size)

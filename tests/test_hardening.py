@@ -1,0 +1,425 @@
+"""What a hostile new user broke, each case fixed: one line, a documented exit code, no
+traceback, nothing lost. Numbers refer to the cases of the hardening issue."""
+
+from __future__ import annotations
+
+import ast
+import errno
+import os
+import pickle
+import re
+import signal
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import (
+    ROOT,
+    TINY,
+    alive,
+    cli,
+    descendants,
+    load_checkpoint,
+    start,
+    wait_for,
+    worker_pid,
+)
+from multicard.checkpoint import checkpoints_in, load_file
+from multicard.cli import main, parse
+from multicard.config import load_config
+from multicard.data import read_splits
+from multicard.errors import UserError
+from multicard.stopping import GracefulStop
+
+# A few hundred steps of a tiny model: seconds long, long enough to act while it runs.
+RUNNING = [*TINY, "data.train_size=8192", "train.epochs=3", "checkpoint.every_steps=5", "data.val_size=64"]
+
+
+def one_line(err: str) -> str:
+    """stderr holds exactly one line and no traceback; that line."""
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    return err.strip()
+
+
+def image_folder(root: Path, classes: list[str], per_class: int = 8) -> Path:
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(np.full((8, 8, 3), 10 * c + i, dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+# ------------------------------------------------------------------ silently wrong
+
+
+def test_1_rerun_with_other_settings_is_refused_and_run_length_may_grow(tmp_path, capsys):
+    args = ["train", *TINY, "train.max_steps=4", f"out_dir={tmp_path}"]
+    assert main(args) == 0
+    config = (tmp_path / "config.yaml").read_text()
+    capsys.readouterr()
+    assert main([*args, "optim.lr=0.001", "sched.name=constant"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "optim.lr: 0.1 → 0.001" in err and "sched.name: cosine → constant" in err
+    assert "train.resume=never" in err and "model.weights=" in err  # the choices
+    assert (tmp_path / "config.yaml").read_text() == config  # a refused run writes nothing
+    assert main([*args, "optim.name=adamw"]) == 2  # case 8: was KeyError 'step', rc 1
+    assert "optim.name: sgd → adamw" in one_line(capsys.readouterr().err)
+    assert main(["train", *TINY, "train.max_steps=8", f"out_dir={tmp_path}"]) == 0  # more steps: no fuss
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_1_fine_tuning_from_weights_in_a_new_out_dir(tmp_path, capsys):
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path / 'a'}"]) == 0
+    last = tmp_path / "a" / "checkpoints" / "last.pt"
+    args = ["train", *TINY, "train.max_steps=2", "optim.lr=0.01", f"model.weights={last}", f"out_dir={tmp_path / 'b'}"]
+    assert main(args) == 0
+    assert re.search(rf"loaded (\d+) of \1 tensors from {re.escape(str(last))}", capsys.readouterr().out)
+
+
+def test_2_eval_refuses_data_with_other_class_names(tmp_path, capsys):
+    image_folder(tmp_path / "data" / "train", ["airplane", "cat", "dog"])
+    common = ["model.name=smallcnn", "data.name=imagefolder", f"data.root={tmp_path / 'data'}", "data.image_size=8"]
+    assert main(["train", *common, "train.global_batch_size=8", "train.epochs=1", f"out_dir={tmp_path / 'o'}"]) == 0
+    image_folder(tmp_path / "other", ["cat", "dog", "horse"])
+    capsys.readouterr()
+    ckpt = str(tmp_path / "o" / "checkpoints" / "last.pt")
+    assert main(["eval", "--checkpoint", ckpt, f"data.val_root={tmp_path / 'other'}"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "only in the checkpoint: airplane" in err and "only in the data: horse" in err
+
+
+@pytest.mark.distributed
+def test_3_a_second_run_on_one_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    first = start("train", *RUNNING, f"out_dir={tmp_path}")
+    try:
+        wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first run's checkpoint")
+        second = cli("train", *RUNNING, f"out_dir={tmp_path}")
+        assert second.returncode == 2
+        err = one_line(second.stderr)
+        assert f"host {socket.gethostname()}, pid {first.pid}" in err and "is in use by another run" in err
+    finally:
+        first.kill()  # as the out-of-memory killer would: the lock file still names it
+        first.wait()
+    third = cli("train", *TINY, "train.max_steps=2", "train.resume=never", f"out_dir={tmp_path}")
+    assert third.returncode == 0, third.stderr
+    assert f"taking over from a run that ended without releasing it (host {socket.gethostname()}, pid {first.pid}" in (
+        third.stdout
+    )
+
+
+# ------------------------------------------------------------------ left-behind processes and hangs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", ["start-up", "training"])
+def test_4_workers_die_with_a_killed_launcher(tmp_path, phase):
+    launcher = start("train", "--nproc-per-node", "2", *RUNNING, f"out_dir={tmp_path}")
+    try:
+        if phase == "start-up":  # both workers exist, neither has trained a step
+            wait_for(lambda: worker_pid(launcher.pid, 1) is not None and worker_pid(launcher.pid, 0) is not None)
+            assert not (tmp_path / "metrics.jsonl").exists()
+        else:
+            wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+        workers = descendants(launcher.pid)
+        assert workers
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not alive(workers), timeout=10, what="the workers to end within 10 s")
+    finally:
+        launcher.kill()
+
+
+def test_5_more_cpu_processes_than_cores_is_refused_unless_asked(tmp_path, capsys):
+    assert main(["train", "--nproc-per-node", "64", *TINY, "train.global_batch_size=64", f"out_dir={tmp_path}"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "--nproc-per-node 64 starts more CPU processes than the" in err and "--oversubscribe" in err
+
+
+def test_6_a_fifo_or_dangling_link_named_like_an_image_is_named(tmp_path):
+    root = image_folder(tmp_path / "d" / "train", ["a", "b"]).parent
+    fifo = root / "train" / "a" / "x.jpg"
+    os.mkfifo(fifo)
+    cfg = load_config(None, ["data.name=imagefolder", f"data.root={root}"])
+    with pytest.raises(UserError, match=re.escape(f"{fifo} is not a regular file")):
+        read_splits(cfg.data, cfg.seed)
+    fifo.unlink()
+    (root / "train" / "b" / "gone.png").symlink_to(tmp_path / "nowhere.png")  # case 15
+    with pytest.raises(UserError, match="gone.png is a broken symbolic link; remove it or fix its target"):
+        read_splits(cfg.data, cfg.seed)
+
+
+# ------------------------------------------------------------------ tracebacks where one line is promised
+
+
+@pytest.mark.distributed
+def test_7_a_killed_worker_is_named_in_one_line_with_code_137(tmp_path):
+    launcher = start("train", "--nproc-per-node", "2", *RUNNING, f"out_dir={tmp_path}")
+    wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+    os.kill(worker_pid(launcher.pid, 1), signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 137
+    assert one_line(err) == "multicard: error: rank 1 was killed by SIGKILL (signal 9: out of memory?); exit code 137"
+
+
+@pytest.mark.distributed
+def test_7_a_collective_timeout_is_one_line_with_code_5(tmp_path):
+    """Two ranks as torchrun would start them; rank 1 is stopped (SIGSTOP), so rank 0's next
+    gradient all-reduce waits past dist_timeout_s: one line, exit 5, no traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [
+        start("train", *RUNNING, "dist_timeout_s=5", f"out_dir={tmp_path}", env={
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        })  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        _, err = ranks[0].communicate(timeout=60)
+        assert ranks[0].returncode == 5
+        assert "(rank 0): a collective waited longer than dist_timeout_s for another rank" in one_line(err)
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+
+
+def test_9_disk_full_while_writing_metrics_keeps_the_checkpoints(tmp_path, capsys, monkeypatch):
+    from multicard import telemetry
+
+    records = []
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            records.append(text)
+            if len(records) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    real_open = telemetry.open if hasattr(telemetry, "open") else open
+    monkeypatch.setattr(telemetry, "open", lambda *a, **kw: FullDisk(real_open(*a, **kw)), raising=False)
+    assert main(["train", *TINY, "checkpoint.every_steps=4", f"out_dir={tmp_path}"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "cannot write" in err and "metrics.jsonl (No space left on device)" in err
+    assert load_file(tmp_path / "checkpoints" / "last.pt")["step"] >= 4
+
+
+def test_9_config_yaml_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.yaml").mkdir()  # renaming over it fails, as a full disk would
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}"]) == 2
+    assert "cannot write" in one_line(capsys.readouterr().err)
+
+
+def test_10_a_second_ctrl_c_while_stopping_quits_at_once(monkeypatch, capsys):
+    """The handler's decision, in this process: the first Ctrl-C asks for a stop, the second
+    quits at once (os._exit, so no exception can surface in whatever was running)."""
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = GracefulStop(lambda value: lambda: value)
+    stop._handle(signal.SIGINT, None)
+    assert stop.poll() == 0 and stop.poll() == signal.SIGINT and not exits  # agreed one poll later
+    assert "Ctrl-C again to quit at once" in capsys.readouterr().out
+    stop._handle(signal.SIGINT, None)
+    assert exits == [130]
+    quit_line = "multicard: quit by SIGINT without a checkpoint; the last checkpoint written stays"
+    assert capsys.readouterr().err.strip() == quit_line
+
+
+@pytest.mark.slow
+def test_10_ctrl_c_twice_ends_in_one_line_and_earlier_checkpoints_survive(tmp_path):
+    proc = start("train", *RUNNING, f"out_dir={tmp_path}")
+    wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+    os.kill(proc.pid, signal.SIGINT)
+    for line in proc.stdout:  # the run acknowledges the first Ctrl-C before the second is sent
+        if "Ctrl-C again to quit at once" in line:
+            break
+    os.kill(proc.pid, signal.SIGINT)  # lands while stopping or after the stop checkpoint: either is fine
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    said = one_line(err)
+    assert re.fullmatch(r"multicard: (quit by SIGINT without a checkpoint|stopped by SIGINT at step \d+).*", said)
+    assert all(load_file(p)["step"] > 0 for p in checkpoints_in(tmp_path / "checkpoints"))
+
+
+BAD_VALUES = [
+    (["data.image_size=1"], "data.image_size=1 must be in [8, 4096]"),
+    (["data.image_size=1000000"], "data.image_size=1000000 must be in [8, 4096]"),
+    (["model.name=vit_b_16"], "model.name=vit_b_16 cannot take 16×16 images"),
+    (["model.name=inception_v3"], "model.name=inception_v3 cannot take 16×16 images"),
+    (["optim.momentum=-1"], "optim.momentum=-1.0 must be in [0, 1)"),
+    (["optim.betas=[2,3]"], "optim.betas[0]=2.0 must be in [0, 1)"),
+    (["seed=-1"], "seed=-1 must be >= 0"),
+    (["model.kwargs.width=-1"], "model.name=smallcnn rejected model.kwargs={'width': -1}"),
+    (["train.epochs=${oc.env:MULTICARD_UNSET}"], "Environment variable 'MULTICARD_UNSET' not found"),
+    (["threads=100000"], "threads=100000 must be in [0, 256]"),
+    (["optim.lr=nan"], "optim.lr=nan must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_VALUES, ids=[o[0] for o, _ in BAD_VALUES])
+def test_11_values_torch_rejects_are_one_line(tmp_path, capsys, overrides, message):
+    assert main(["train", *TINY, f"out_dir={tmp_path}", *overrides]) == 2
+    assert message in one_line(capsys.readouterr().err)
+
+
+def test_11_metrics_jsonl_being_a_directory_is_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").mkdir()
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}"]) == 2
+    assert "metrics.jsonl (Is a directory)" in one_line(capsys.readouterr().err)
+
+
+def test_12_eval_with_a_launcher_checks_the_checkpoint_before_starting_workers(tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path / "none.pt"), "--nproc-per-node", "2"]) == 2
+    assert "checkpoint not found" in one_line(capsys.readouterr().err)
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 cut short")
+    assert main(["eval", "--checkpoint", str(tmp_path / "cut.pt"), "--nproc-per-node", "2"]) == 2
+    assert "cannot be read" in one_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ security
+
+
+class Payload:
+    """Unpickling this creates a file: what a crafted checkpoint could do with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_13_a_crafted_checkpoint_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {"w": Payload(marker)}, "config": {}}, evil)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(evil, weights_only=True)  # the file really is hostile
+    attempts = [
+        ["eval", "--checkpoint", str(evil)],
+        ["train", *TINY, f"train.resume={evil}", f"out_dir={tmp_path / 'o'}"],
+        ["train", *TINY, f"model.weights={evil}", f"out_dir={tmp_path / 'w'}"],
+    ]
+    for argv in attempts:
+        assert main(argv) == 2, argv
+        assert "was not loaded" in one_line(capsys.readouterr().err)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ misleading messages and small surprises
+
+
+def test_14_overrides_between_flags_are_accepted():
+    args = parse(["train", "--config", "f.yaml", "--nproc-per-node", "2", "out_dir=X", "--max-restarts", "1", "a=b"])
+    assert args.overrides == ["out_dir=X", "a=b"] and args.nproc_per_node == 2 and args.max_restarts == 1
+
+
+def test_15_home_directory_config_dir_and_yaml_line_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config(None, ["out_dir=~/runs/x"]).out_dir == f"{tmp_path}/runs/x"
+    with pytest.raises(UserError, match=r"--config .* is a directory; pass a YAML file"):
+        load_config(str(tmp_path))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: 3\n   bad: [1,\n")
+    with pytest.raises(UserError, match=r"bad config file .*bad.yaml: line 3, column 7: mapping values are not"):
+        load_config(str(bad))
+
+
+def test_15_a_checkpoint_of_another_model_says_which_tensors_differ(tmp_path, capsys):
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    ckpt = str(tmp_path / "checkpoints" / "last.pt")
+    assert main(["eval", "--checkpoint", ckpt, "model.kwargs.width=16"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert re.search(r"shape\(s\) differ, e\.g\. 0\.0\.weight \[32, 3, 3, 3\] vs \[16, 3, 3, 3\]", err), err
+
+
+def _source_text() -> str:
+    """Every string literal of the package, f-string holes as NUL, concatenated pieces joined."""
+    texts = []
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                texts.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append(node.value)
+    return "\n".join(texts)
+
+
+# What the catalogue writes where the code fills in a value: example values after '=', numbers,
+# capitalised placeholders (X, N, HOST), exception names, quoted names, paths, the ellipsis, and
+# reasons in parentheses (ours wrap what the OS or a library said).
+EXAMPLE = re.compile(
+    r"--[\w-]+(?: [^\s;,()]+)?|=[^\s;,)]+|\b[A-Z][A-Z_0-9]*\b|\b\w*Error\b|\d+(?:\.\d+)?|…|'[^']*'|\S*/\S*|\([^)]*\)"
+)
+EXTERNAL = ("unrecognized arguments",)  # argparse's words inside our line
+
+
+def test_15_every_message_in_the_catalogue_is_still_produced_by_the_code():
+    """Each quoted message's fixed parts are in the code's strings: docs/errors.md cannot drift."""
+    source = _source_text()
+    rows = [line for line in (ROOT / "docs" / "errors.md").read_text().splitlines() if line.startswith("| ")]
+    checked = 0
+    for row in rows:
+        message_column = row.split(" | ")[1]
+        for quoted in re.findall(r"`([^`]+)`", message_column):
+            message = re.sub(r"^multicard: (error[^:]*: )?", "", quoted)
+            for fragment in EXAMPLE.split(message):
+                fragment = fragment.strip(" ;,.:()[]")
+                if len(fragment) >= 12 and not fragment.startswith(EXTERNAL):
+                    assert fragment in source, f"docs/errors.md quotes {fragment!r}, which the code no longer says"
+                    checked += 1
+    assert checked >= 40
+
+
+def test_16_one_class_and_hidden_folders(tmp_path):
+    root = image_folder(tmp_path / "d" / "train", ["only"]).parent
+    cfg = load_config(None, ["data.name=imagefolder", f"data.root={root}"])
+    with pytest.raises(UserError, match="has 1 class folder .*a classifier needs at least 2"):
+        read_splits(cfg.data, cfg.seed)
+    image_folder(root / "train", ["second", ".ipynb_checkpoints"])
+    image_folder(root / "train" / "only", [".hidden"])  # hidden folders inside a class: not images of it
+    splits = read_splits(cfg.data, cfg.seed)
+    assert splits.classes == ["only", "second"] and len(splits.train) + len(splits.val) == 16
+
+
+@pytest.mark.slow
+def test_16_metrics_have_no_duplicate_steps_after_resuming_from_a_crash(tmp_path):
+    proc = start("train", *RUNNING, "log_every=1", f"out_dir={tmp_path}")
+    wait_for(lambda: len(checkpoints_in(tmp_path / "checkpoints")) >= 2, what="two checkpoints")
+    proc.kill()  # a crash: metrics.jsonl has steps after the last checkpoint
+    proc.wait()
+    saved = load_file(checkpoints_in(tmp_path / "checkpoints")[0])["step"]
+    result = cli("train", *RUNNING, "log_every=1", f"train.max_steps={saved + 10}", f"out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    steps = [int(s) for s in re.findall(r'"kind": "step", "epoch": \d+, "step": (\d+)', metrics)]
+    assert steps == list(range(1, saved + 11))
+
+
+def test_16_a_file_where_the_checkpoint_folder_goes_fails_at_once(tmp_path, capsys):
+    (tmp_path / "checkpoints").write_text("not a folder")
+    assert main(["train", *TINY, f"out_dir={tmp_path}"]) == 2
+    assert "is a file, not a folder for checkpoints" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "metrics.jsonl").exists()  # said before any training
+
+
+@pytest.mark.slow
+def test_17_a_run_says_early_how_long_it_will_take(tmp_path):
+    result = cli("train", *TINY, "train.epochs=2", f"out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"estimated time: \d+ (s|min \d+ s) for the \d+ steps left", result.stdout), result.stdout
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 64
