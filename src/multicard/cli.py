@@ -1,4 +1,4 @@
-"""Command line: `multicard train`, `eval`, `bench`, `verify`. A thin layer over commands and launch.
+"""Command line: `multicard train`, `eval`, `export`, `bench`, `verify`. A thin layer over commands and launch.
 
 Launch examples (all train the same job):
     multicard train --config configs/demo.yaml                       # one process
@@ -19,7 +19,8 @@ import sys
 from typing import NoReturn
 
 from multicard import __version__, commands
-from multicard.config import load_config, parse_devices
+from multicard.checkpoint import check_resume_settings
+from multicard.config import load_config, parse_devices, to_dict
 from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.process_group import ProcessEnv, communication_failure, detect_env, die_with_launcher, resolve_gpus
@@ -53,11 +54,13 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _command(sub: argparse._SubParsersAction, name: str, summary: str, config: str | None, example: str) -> _Parser:
-    """A subcommand with `--config` (when `config` describes it) and KEY=VALUE overrides."""
+    """A subcommand with `--config` (when `config` describes it) and KEY=VALUE overrides (when
+    `example` shows one)."""
     p = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
     if config is not None:
         p.add_argument("--config", help=config)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
+    if example:
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
     return p
 
 
@@ -74,6 +77,10 @@ def build_parser() -> _Parser:
     e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
     e.add_argument("--json", action="store_true", help="print the result as one JSON line")
     _add_launch_flags(e)
+
+    x = _command(sub, "export", "write a checkpoint's model as a plain state dict file", None, "")
+    x.add_argument("--checkpoint", required=True, help="checkpoint file or sharded checkpoint directory")
+    x.add_argument("--out", required=True, help="the state dict file to write, e.g. model.pt")
 
     b = _command(
         sub, "bench", "throughput of each runner, strategy, world size and precision side by side",
@@ -166,8 +173,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     env = detect_env()
     options = _launch_options(args, env)
-    if options is None and cfg.strategy == "ddp" and not env.launched:
-        # ddp asked for without a launcher: one worker per GPU in use (one on CPU).
+    if options is None and cfg.strategy in ("ddp", "fsdp") and not env.launched:
+        # ddp or fsdp asked for without a launcher: one worker per GPU in use (one on CPU).
         options = LaunchOptions(nproc_per_node=max(1, len(resolve_gpus(parse_devices(cfg.devices)))))
     if options is None:
         commands.train(cfg, env)
@@ -176,6 +183,7 @@ def _train(args: argparse.Namespace) -> int:
     if not topology.gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
     out_dir = commands.prepare_out_dir(cfg.out_dir)
+    check_resume_settings(out_dir / "checkpoints", cfg.train.resume, to_dict(cfg))
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
     with RunLock(out_dir) as lock:
         if options.node_rank == 0:  # node 0 holds it for the whole job, restarts included
@@ -206,11 +214,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)  # --help, --version, or an unknown command: argparse says so
 
 
+def _export(args: argparse.Namespace) -> int:
+    commands.export(args.checkpoint, args.out)
+    return ExitCode.OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     die_with_launcher(detect_env())
     try:
-        return {"train": _train, "eval": _eval, "bench": _bench, "verify": _verify}[args.command](args)
+        commands_by_name = {"train": _train, "eval": _eval, "export": _export, "bench": _bench, "verify": _verify}
+        return commands_by_name[args.command](args)
     except Stopped as exc:
         if detect_env().rank == 0:  # every rank stopped alike; one line is enough
             print(f"multicard: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from multicard.atomic import save_atomic
 from multicard.checkpoint import Checkpointer, check_model_fits, read_checkpoint
 from multicard.checkpoint.compat import check_classes
 from multicard.config import Config, config_from_dict, to_yaml
@@ -108,9 +109,10 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: ProcessEnv, as_jso
             check_classes(state, data.classes, path, "evaluate on data with the same class folders")
             model = seeded_model(cfg.model, cfg.seed, data.num_classes, cfg.data.image_size)
             check_model_fits(state["model"], model, path)
-            model.load_state_dict(state["model"])
+            # Into the run's dtype first (float64 weights loaded into a float32 model would be rounded).
             # Eager even when the config says compile: one pass over the data would not repay compiling.
             model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
+            model.load_state_dict(state["model"])
             result = evaluate(model, data.val, strategy)
         finally:
             data.close()
@@ -125,3 +127,20 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: ProcessEnv, as_jso
         return result
     finally:
         teardown()
+
+
+def export(path: str, out: str) -> Path:
+    """Write a checkpoint's model (any format) as a plain state dict: whole tensors, no prefixes,
+    loadable with `model.load_state_dict(torch.load(out))`."""
+    state = read_checkpoint(Path(path))
+    target = Path(out).expanduser()
+    if target.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name, e.g. {out}/model.pt")
+    model = {k: v.contiguous() for k, v in state["model"].items()}
+    save_atomic(model, target)
+    size = sum(v.numel() * v.element_size() for v in model.values())
+    print(
+        f"wrote {target}: {len(model)} tensors, {size / 2**20:.1f} MiB, model.name={state['config']['model']['name']} "
+        f"at step {state['step']}"
+    )
+    return target

@@ -18,15 +18,15 @@ def set_cudnn_benchmark(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = enabled
 
 
-def compile_in_place(model: nn.Module, mode: str) -> nn.Module:
+def compile_in_place(model: nn.Module, mode: str, dynamic: bool | None = None) -> nn.Module:
     """torch.compile the model's forward (and so its backward) in place; returns the model.
 
     In place (`Module.compile`) rather than `torch.compile(model)`: the module stays itself, so
     its state_dict has no `_orig_mod.` prefix, and the optimizer, checkpoints and evaluation
     see the same object. Compilation happens at the first forward of each new graph (training
-    and eval mode, new input shapes).
+    and eval mode, new input shapes). `dynamic=False` compiles for static shapes only.
     """
-    model.compile(mode=mode)
+    model.compile(mode=mode, dynamic=dynamic)
     return model
 
 

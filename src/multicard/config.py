@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from multicard.errors import UserError
 
-STRATEGIES = ("auto", "single", "dp", "ddp")
+STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
@@ -26,6 +26,8 @@ LR_SCALING = ("none", "linear", "sqrt")
 DATASETS = ("synthetic", "cifar10", "imagefolder")
 LOADERS = ("auto", "device", "workers")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+REPLICATE = ("none", "nodes")
+CHECKPOINT_FORMATS = ("auto", "file", "sharded")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MAX_THREADS = 256  # per process; beyond this torch itself fails (and no node has that many cores per process)
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 4096
@@ -110,12 +112,36 @@ class DDPConfig:
     comm_hook: str = "none"
     powersgd_rank: int = 1  # powersgd: rank of the gradient approximation
     powersgd_start_step: int = 10  # powersgd: plain all-reduce before this optimizer step
+    # ZeRO-1: each rank keeps the optimizer state of its share of the parameters (torch's
+    # ZeroRedundancyOptimizer); checkpoints still hold the whole optimizer state
+    shard_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """strategy=fsdp: parameters, gradients and optimizer state sharded over ranks (FSDP2's fully_shard)."""
+
+    # true: ZeRO-3 (parameters gathered again for backward: least memory); false: ZeRO-2 (kept from
+    # forward to backward: one all-gather fewer per step)
+    reshard_after_forward: bool = True
+    # Module class names sharded as units (then the root), e.g. [BasicBlock]; [] = chosen per model family
+    units: list[str] = field(default_factory=list)
+    # Models of no known family: every module of at least this many parameters whose children are all
+    # smaller becomes a unit
+    min_unit_params: int = 1_000_000
+    # nodes: HSDP — shard inside each node, replicate across nodes (a 2-D device mesh); none: shard over all
+    replicate: str = "none"
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 0  # also save inside epochs, every this many optimizer steps; 0 = epoch ends only
-    keep_last: int = 3  # step checkpoints kept (best.pt and last.pt are kept besides)
+    keep_last: int = 3  # step checkpoints kept (best and last are kept besides)
+    # file: step-N.pt written by rank 0; sharded: step-N/ with one shard per rank (torch.distributed.checkpoint);
+    # auto: sharded under fsdp, else file. Any strategy and world size reads either.
+    format: str = "auto"
+    # sharded: write in the background while training goes on (costs one CPU copy of each rank's state)
+    async_save: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,7 +154,7 @@ class NetConfig:
 
 @dataclass(frozen=True)
 class Config:
-    strategy: str = "auto"  # auto: ddp when launched with several processes, else single
+    strategy: str = "auto"  # single | dp | ddp | fsdp; auto: ddp when a launcher started the process, else single
     devices: Any = "auto"  # auto | cpu | list of GPU ids, e.g. [0,1]
     seed: int = 0
     out_dir: str = "runs/default"
@@ -147,6 +173,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     net: NetConfig = field(default_factory=NetConfig)
 
@@ -291,6 +318,9 @@ def validate(cfg: Config) -> None:
     _choice(cfg.data.name, "data.name", DATASETS)
     _choice(cfg.data.loader, "data.loader", LOADERS)
     _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
+    _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
+    _choice(cfg.checkpoint.format, "checkpoint.format", CHECKPOINT_FORMATS)
+    _positive(cfg.fsdp.min_unit_params, "fsdp.min_unit_params")
     _positive(cfg.ddp.bucket_cap_mb, "ddp.bucket_cap_mb")
     _positive(cfg.ddp.powersgd_rank, "ddp.powersgd_rank")
     if cfg.ddp.powersgd_start_step < 2:

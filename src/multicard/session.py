@@ -22,7 +22,7 @@ from multicard.data import Data, build_data
 from multicard.data.sampling import BatchPlan
 from multicard.errors import MulticardError, Stopped
 from multicard.models import build_model, check_input_size
-from multicard.optim import build_optimizer, build_scheduler
+from multicard.optim import build_scheduler, optimizer_recipe
 from multicard.precision import Precision
 from multicard.process_group import ProcessContext, ProcessEnv, setup, teardown
 from multicard.stopping import GracefulStop
@@ -58,7 +58,7 @@ def start_process(cfg: Config, env: ProcessEnv, topology: Topology) -> tuple[Pro
     set_cudnn_benchmark(cfg.cudnn_benchmark)
     model_setup = ModelSetup(cfg.model.channels_last, cfg.compile_mode if cfg.compile else None)
     precision = Precision(cfg.precision, ctx.device.type)
-    strategy = make_strategy(topology, ctx, precision, model_setup, cfg.ddp, cfg.sync_bn)
+    strategy = make_strategy(topology, ctx, precision, model_setup, cfg)
     return ctx, strategy
 
 
@@ -90,10 +90,12 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
             assert data.train is not None
             steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
             bare = seeded_model(cfg.model, cfg.seed, data.num_classes, cfg.data.image_size)
+            bare = bare.to(dtype=strategy.precision.param_dtype)  # weights load at the run's precision
             notes = [load_weights(bare, cfg.model.weights)] if cfg.model.weights else []
             model = strategy.prepare(bare)
             seed_process(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
-            optimizer = build_optimizer(strategy.unwrap(model), cfg.optim, cfg.train.global_batch_size)
+            recipe = optimizer_recipe(strategy.unwrap(model), cfg.optim, cfg.train.global_batch_size)
+            optimizer = strategy.make_optimizer(recipe, strategy.unwrap(model))
             schedule = Schedule(
                 steps_per_epoch=steps_per_epoch,
                 total_steps=run_length(cfg.train, steps_per_epoch),

@@ -7,9 +7,10 @@ workers (so bad input costs no start-up), and each worker once more for its own 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from multicard.config import Config, parse_devices
+from multicard.config import Config, DDPConfig, parse_devices
 from multicard.data.sampling import BatchPlan
 from multicard.errors import UserError
 from multicard.process_group import resolve_gpus
@@ -42,11 +43,43 @@ def resolve_strategy(requested: str, launched: bool, world_size: int) -> str:
     return requested
 
 
+def check_fsdp(cfg: Config, world_size: int, local_world_size: int) -> None:
+    """Options that mean nothing under fsdp are refused rather than silently ignored."""
+    if cfg.ddp.comm_hook != "none":
+        raise UserError(
+            f"ddp.comm_hook={cfg.ddp.comm_hook} compresses DDP's all-reduce; strategy=fsdp reduce-scatters instead "
+            f"and takes no hook: remove ddp.comm_hook, or use strategy=ddp"
+        )
+    defaults = DDPConfig()
+    changed = [f.name for f in dataclasses.fields(DDPConfig) if getattr(cfg.ddp, f.name) != getattr(defaults, f.name)]
+    if changed:
+        raise UserError(
+            f"ddp.{changed[0]} is a DDP option and has no effect under strategy=fsdp; remove it, or use strategy=ddp"
+        )
+    if cfg.fsdp.replicate == "nodes" and world_size // max(1, local_world_size) < 2:
+        raise UserError(
+            "fsdp.replicate=nodes (HSDP) replicates across nodes, but this job runs on one node; "
+            "remove it (fsdp shards over all ranks), or start several nodes"
+        )
+
+
 def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool, training: bool = True) -> Topology:
     """The strategy and GPUs for `world_size` processes, or a one-line UserError saying what to change."""
     strategy = resolve_strategy(cfg.strategy, launched, world_size)
     gpus = resolve_gpus(parse_devices(cfg.devices))
-    if strategy == "ddp" and gpus and local_world_size > len(gpus):
+    if strategy == "fsdp":
+        check_fsdp(cfg, world_size, local_world_size)
+    if cfg.ddp.shard_optimizer and cfg.checkpoint.format == "sharded":
+        raise UserError(
+            "ddp.shard_optimizer=true gathers the whole optimizer state on rank 0 for a checkpoint file; "
+            "use checkpoint.format=file (or auto), or strategy=fsdp for sharded checkpoints"
+        )
+    if cfg.ddp.shard_optimizer and strategy != "ddp":
+        raise UserError(
+            f"ddp.shard_optimizer=true (ZeRO-1) shards optimizer state over DDP ranks but strategy={strategy}; "
+            f"use strategy=ddp, or strategy=fsdp, which shards parameters and gradients too"
+        )
+    if strategy in ("ddp", "fsdp") and gpus and local_world_size > len(gpus):
         raise UserError(
             f"{local_world_size} processes per node but only {len(gpus)} GPU(s) in use; "
             f"lower --nproc-per-node to {len(gpus)} or set devices=cpu"

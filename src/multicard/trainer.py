@@ -44,6 +44,8 @@ from multicard.precision import Precision
 from multicard.stopping import GracefulStop
 from multicard.strategy import Strategy
 
+OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")  # param-group entries that choose kernels, not maths
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -268,14 +270,15 @@ class Trainer:
         """Callbacks that do long work between steps (checkpoints) say so here."""
         self.clock.set_phase(phase)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, whole: bool = False) -> dict[str, Any]:
         """Model, optimizer, scheduler, scaler, position and every rank's random streams.
 
         A collective: every rank calls it at the same step. Model and optimizer state are keyed
-        by parameter name, as the strategy holds them (whole, or sharded under fsdp).
+        by parameter name, as the strategy holds them (sharded under fsdp), or with `whole`,
+        gathered whole on rank 0.
         """
         self._reduce_window()  # the position's running totals must include every step done
-        model_state, optim_state = self.strategy.state_dicts(self.bare, self.optimizer)
+        model_state, optim_state = self.strategy.state_dicts(self.bare, self.optimizer, whole)
         return {
             "model": model_state,
             "optimizer": optim_state,
@@ -287,7 +290,12 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (any strategy and world size that keep this global batch)."""
+        # How this run computes the update (fused kernels or not) is its own choice, not the
+        # checkpoint's: a fused kernel saved by one strategy may not exist for another's tensors.
+        kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in self.optimizer.param_groups]
         self.strategy.load_state_dicts(self.bare, self.optimizer, state["model"], state["optimizer"])
+        for group, keep in zip(self.optimizer.param_groups, kernels, strict=True):
+            group.update(keep)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.position = Position(**state["position"])

@@ -4,13 +4,20 @@
 in beside each other behind the same small interface (see single_file.py).
 """
 
-from multicard.checkpoint.checkpointer import Checkpointer, checkpoints_in, format_of, read_checkpoint
+from multicard.checkpoint.checkpointer import (
+    Checkpointer,
+    check_resume_settings,
+    checkpoints_in,
+    format_of,
+    read_checkpoint,
+)
 from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_model_fits
 from multicard.checkpoint.single_file import load_file
 
 __all__ = [
     "FORMAT_VERSION",
     "Checkpointer",
+    "check_resume_settings",
     "RunFacts",
     "check_model_fits",
     "checkpoints_in",

@@ -9,13 +9,15 @@ run can continue it. The training loop only reports that a step or an epoch has 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from multicard import __version__
 from multicard.atomic import remove_temporaries
-from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_format, check_resumable
+from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_format, check_resumable, check_settings
+from multicard.checkpoint.sharded import Sharded, incomplete_dirs, part_of_sharded
 from multicard.checkpoint.single_file import SingleFile
 from multicard.config import CheckpointConfig
 from multicard.errors import Stopped, UserError
@@ -23,28 +25,65 @@ from multicard.phases import CHECKPOINT, IDLE
 from multicard.strategy import Strategy
 from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
 
-FORMATS = (SingleFile(),)
+FORMATS = {"file": SingleFile(), "sharded": Sharded()}
 
 
 def format_of(path: Path) -> Any:
     """The format that reads `path`."""
-    for fmt in FORMATS:
+    whole = part_of_sharded(path)
+    if whole is not None:
+        raise UserError(f"{path} is one file of the sharded checkpoint {whole}; give the directory {whole}")
+    for fmt in FORMATS.values():
         if fmt.owns(path):
             return fmt
+    if not path.exists():
+        raise UserError(f"checkpoint not found: {path}")
     raise UserError(f"checkpoint {path} is neither a step file (.pt) nor a step directory")
 
 
 def checkpoints_in(folder: Path) -> list[Path]:
     """Every step checkpoint in `folder` (any format), newest first."""
-    found = [(step, path) for fmt in FORMATS for step, path in fmt.steps(folder)] if folder.is_dir() else []
+    found = [(step, path) for fmt in FORMATS.values() for step, path in fmt.steps(folder)] if folder.is_dir() else []
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
-def read_checkpoint(path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A checkpoint's contents in the single-file layout, whatever its format."""
-    state = format_of(path).read(path, template)
-    check_format(state, path)
-    return state
+def newest_readable(folder: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """The newest checkpoint whose metadata reads (its path and metadata), and why each newer
+    one was passed over."""
+    skipped = []
+    for path in checkpoints_in(folder):
+        try:
+            meta = format_of(path).read_meta(path)
+            check_format(meta, path)
+        except UserError as exc:
+            skipped.append(str(exc))
+            continue
+        return path, meta, skipped
+    return None, None, skipped
+
+
+def check_resume_settings(folder: Path, mode: str, config: dict[str, Any]) -> None:
+    """Before a launcher starts workers: the checkpoint train.resume would continue accepts this
+    config (its settings; the data and model are checked by the workers)."""
+    if mode == "never":
+        return
+    if mode == "auto":
+        path, meta, _ = newest_readable(folder)
+    else:
+        path = Path(mode)
+        if not path.exists():
+            raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
+        meta = format_of(path).read_meta(path)
+    if path is not None and meta is not None:
+        check_settings(meta, path, config)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents in the single-file layout, whatever its format; the model as whole
+    CPU tensors (for eval, export and fine-tuning)."""
+    fmt = format_of(path)
+    check_format(fmt.read_meta(path), path)
+    return fmt.read(path)
 
 
 class Checkpointer(Callback):
@@ -62,7 +101,7 @@ class Checkpointer(Callback):
         self.options = options
         self.run = run
         self.say = say
-        self.writer = FORMATS[0]
+        self.writer = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
         self.last_saved: tuple[int, Path] | None = None
 
     # ------------------------------------------------------------ resume
@@ -78,6 +117,9 @@ class Checkpointer(Callback):
             self._make_folder()
         if self.ctx.is_main and self.folder.is_dir():
             remove_temporaries(self.folder)
+            for unfinished in incomplete_dirs(self.folder):
+                shutil.rmtree(unfinished, ignore_errors=True)
+                self.say(f"removed {unfinished.name}: a run ended while writing that checkpoint")
             if mode == "never":
                 self._remove_all()
             elif mode == "auto":
@@ -101,32 +143,31 @@ class Checkpointer(Callback):
             raise UserError(f"cannot create {self.folder} ({exc.strerror}); choose a writable out_dir") from None
 
     def _newest_valid(self) -> str | None:
-        for path in checkpoints_in(self.folder):
-            try:
-                read_checkpoint(path)
-            except UserError as exc:
-                self.say(f"warning: skipping damaged {str(exc).removeprefix('checkpoint ')}")
-                continue
-            return str(path)
-        return None
+        path, meta, skipped = newest_readable(self.folder)
+        for line in skipped:
+            self.say(f"warning: skipping damaged {line.removeprefix('checkpoint ')}")
+        return str(path) if path is not None else None
 
     def _remove_all(self) -> None:
         old = checkpoints_in(self.folder)
         for path in old:
             format_of(path).remove(path)
-        for fmt in FORMATS:
+        self._remove_pointers(FORMATS.values())
+        if old:
+            self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
+
+    def _remove_pointers(self, formats: Any) -> None:
+        for fmt in formats:
             for name in fmt.pointers:
                 pointer = self.folder / name
                 if pointer.exists() or pointer.is_symlink():
                     pointer.unlink()
-        if old:
-            self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
 
     def restore(self, path: Path, trainer: Trainer) -> dict[str, Any]:
         """Check that this run can continue `path`, then load it into the trainer; its contents."""
         fmt = format_of(path)
-        state = read_checkpoint(path, template=trainer.state_dict() if fmt.needs_template else None)
-        check_resumable(state, path, self.run, trainer.bare)
+        check_resumable(fmt.read_meta(path), path, self.run, trainer.bare)
+        state = fmt.read(path, trainer.state_dict() if fmt.needs_template else None)
         parts = {k: state[k] for k in ("model", "optimizer", "scheduler", "scaler")}
         trainer.load_state_dict({**parts, **state["resume"]})
         self.last_saved = (trainer.position.global_step, path)
@@ -139,7 +180,7 @@ class Checkpointer(Callback):
         best) at it and drop old ones; all ranks return once it is complete."""
         trainer.set_phase(CHECKPOINT)
         pos = trainer.position
-        state = trainer.state_dict()
+        state = trainer.state_dict(whole=self.writer.whole_state)
         contents = {
             "multicard_version": __version__,
             "format": FORMAT_VERSION,
@@ -159,6 +200,7 @@ class Checkpointer(Callback):
         path = self.writer.path_for(self.folder, pos.global_step)
         self.writer.write(path, contents, self.ctx)
         if self.ctx.is_main:
+            self._remove_pointers(f for f in FORMATS.values() if f is not self.writer)  # a run that changed format
             self.writer.point(self.folder, "last", path)
             if best:
                 self.writer.point(self.folder, "best", path)

@@ -19,6 +19,7 @@ FREE_TO_CHANGE = (
     "out_dir", "train.resume", "train.epochs", "train.max_steps", "train.grad_accum",
     "strategy", "devices", "threads", "dist_timeout_s", "sync_bn", "compile", "compile_mode", "cudnn_benchmark",
     "log_every", "checkpoint.", "net.", "ddp.bucket_cap_mb", "ddp.static_graph", "ddp.gradient_as_bucket_view",
+    "ddp.shard_optimizer",
     "ddp.find_unused_parameters", "ddp.broadcast_buffers", "fsdp.", "debug.", "log.", "model.weights",
     "data.root", "data.val_root", "data.loader", "data.num_workers", "data.cache_dir", "data.download",
     "data.eval_batch_size", "data.val_size", "data.decode",
@@ -61,18 +62,18 @@ def changed_settings(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]
     return [f"{k}: {old.get(k)} → {new.get(k)}" for k in keys if not k.startswith(FREE_TO_CHANGE)]
 
 
-def check_resumable(meta: dict[str, Any], path: Path, run: RunFacts, model: nn.Module) -> None:
-    """The checkpoint's run continues exactly in this one: same model, recipe, global batch and data."""
+def check_settings(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
+    """The config checks of a resume, which need neither the data nor the model (a launcher
+    makes them once, before starting workers)."""
     check_format(meta, path)
     saved = meta["config"]["train"]["global_batch_size"]
-    wanted = run.config["train"]["global_batch_size"]
+    wanted = config["train"]["global_batch_size"]
     if saved != wanted:
         raise UserError(
             f"checkpoint {path} was trained with train.global_batch_size={saved}; resume with that value "
             f"(any world size works) or set train.resume=never"
         )
-    check_model_fits(meta["model"], model, path)
-    changed = changed_settings(meta["config"], run.config)
+    changed = changed_settings(meta["config"], config)
     if changed:
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise UserError(
@@ -81,6 +82,13 @@ def check_resumable(meta: dict[str, Any], path: Path, run: RunFacts, model: nn.M
             f"train.resume=never or another out_dir; to fine-tune from its weights, use another out_dir "
             f"with model.weights={path}"
         )
+
+
+def check_resumable(meta: dict[str, Any], path: Path, run: RunFacts, model: nn.Module) -> None:
+    """The checkpoint's run continues exactly in this one: same model, recipe, global batch and data."""
+    check_format(meta, path)
+    check_model_fits(meta["model"], model, path)
+    check_settings(meta, path, run.config)
     check_classes(meta, run.classes, path, "resume on the same data or set train.resume=never")
     if meta["resume"]["steps_per_epoch"] != run.steps_per_epoch:
         raise UserError(

@@ -48,6 +48,7 @@ class SingleFile:
     name = "file"
     pointers = ("last.pt", "best.pt")
     needs_template = False  # reads whole tensors; nothing to load into
+    whole_state = True  # rank 0 writes whole tensors (fsdp gathers them onto rank 0 for it)
 
     def path_for(self, folder: Path, step: int) -> Path:
         return folder / f"{PREFIX}{step:09d}{SUFFIX}"
@@ -70,6 +71,9 @@ class SingleFile:
             save_atomic(state, path)
 
     def read(self, path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
+        return load_file(path)
+
+    def read_meta(self, path: Path) -> dict[str, Any]:
         return load_file(path)
 
     def point(self, folder: Path, name: str, path: Path) -> None:

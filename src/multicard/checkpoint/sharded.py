@@ -1,0 +1,166 @@
+"""The sharded checkpoint format: step-NNNNNNNNN/, every rank writing its own shard in parallel
+through torch.distributed.checkpoint (DCP).
+
+A step directory is written under a hidden temporary name; once every rank has written, rank 0
+adds train_state.pt (position, random streams, schedule, config) and a COMPLETE marker, then
+renames it into place: a step directory without the marker is never read. `last` and `best` are
+symbolic links to step directories. Reading reshards: the saved shards are loaded into whatever
+layout the reading run has (fsdp at any world size, ddp, one process with no process group).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from multicard.atomic import save_atomic, symlink_atomic, write_text_atomic
+from multicard.errors import UserError
+from multicard.process_group import ProcessContext
+
+PREFIX = "step-"
+COMPLETE = "COMPLETE"  # written last, by rank 0, after every shard and train_state.pt
+TRAIN_STATE = "train_state.pt"
+INCOMPLETE = ".incomplete"  # suffix of a step directory being written
+TENSORS = ("model", "optimizer")  # what DCP shards; everything else is in train_state.pt
+
+
+def _digits(path: Path) -> str:
+    return path.name[len(PREFIX) :]
+
+
+def incomplete_dirs(folder: Path) -> list[Path]:
+    """Step directories a run began writing and never finished (it was killed)."""
+    return sorted(p for p in folder.glob(f".{PREFIX}*{INCOMPLETE}") if p.is_dir())
+
+
+def part_of_sharded(path: Path) -> Path | None:
+    """The sharded checkpoint directory a file belongs to, or None."""
+    return path.parent if path.is_file() and (path.parent / ".metadata").exists() else None
+
+
+class Sharded:
+    name = "sharded"
+    pointers = ("last", "best")
+    needs_template = True  # DCP loads into tensors of the reading run's layout
+    whole_state = False  # each rank writes its own shard
+
+    def path_for(self, folder: Path, step: int) -> Path:
+        return folder / f"{PREFIX}{step:09d}"
+
+    def owns(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def steps(self, folder: Path) -> list[tuple[int, Path]]:
+        """(step, path) of the complete step directories in `folder`."""
+        return [
+            (int(_digits(p)), p)
+            for p in folder.glob(f"{PREFIX}*")
+            if _digits(p).isdigit() and p.is_dir() and not p.is_symlink() and (p / COMPLETE).exists()
+        ]
+
+    def write(self, path: Path, state: dict[str, Any], ctx: ProcessContext) -> None:
+        """Every rank writes its shard into the temporary directory; rank 0 completes and renames it."""
+        tmp = path.with_name(f".{path.name}{INCOMPLETE}")
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable out_dir") from None
+        ctx.barrier()
+        try:
+            # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
+            planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+            dcp.save({k: state[k] for k in TENSORS}, checkpoint_id=tmp, planner=planner)
+        except (CheckpointException, OSError) as exc:  # CheckpointException is a BaseException
+            raise UserError(
+                f"cannot write {path} ({_first_line(exc)}); free space in {path.parent} or choose another out_dir "
+                f"(earlier checkpoints are intact)"
+            ) from None
+        if ctx.is_main:
+            save_atomic({k: v for k, v in state.items() if k not in TENSORS}, tmp / TRAIN_STATE)
+            write_text_atomic(tmp / COMPLETE, f"step {state['step']}, {ctx.world_size} shard(s)\n")
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+
+    def read_meta(self, path: Path) -> dict[str, Any]:
+        """Everything but the tensors' values: train state, config, and the model's tensor shapes."""
+        path = self._complete(path)
+        try:
+            meta = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise UserError(
+                f"checkpoint {path} holds objects a checkpoint never holds and was not loaded; "
+                f"use a checkpoint written by multicard"
+            ) from None
+        except Exception as exc:
+            raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}); it may be damaged") from None
+        return {**meta, "model": self._whole_tensors(path, "model", device="meta")}
+
+    def read(self, path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint with its tensors: loaded into `template`'s (model, optimizer) layout, or
+        without one as whole CPU tensors of the model alone (eval, export, fine-tuning)."""
+        meta = self.read_meta(path)
+        path = self._complete(path)
+        if template is None:
+            tensors = {"model": self._whole_tensors(path, "model", device="cpu")}
+        else:
+            tensors = {k: template[k] for k in TENSORS}
+        try:
+            with warnings.catch_warnings():
+                # Whole tensors are read by each process alone, with or without a process group
+                # (DCP warns that it assumes so when there is none: that is the intent).
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.load(tensors, checkpoint_id=path, no_dist=template is None)
+        except (CheckpointException, RuntimeError, KeyError) as exc:
+            raise UserError(f"checkpoint {path} cannot be loaded into this run ({_first_line(exc)})") from None
+        return {**meta, **tensors}
+
+    def point(self, folder: Path, name: str, path: Path) -> None:
+        symlink_atomic(path.name, folder / name)
+
+    def pinned(self, folder: Path) -> set[Path]:
+        """The step directory `best` points at: rotation keeps it."""
+        best = folder / "best"
+        return {best.resolve()} if best.is_symlink() else set()
+
+    def remove(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------
+
+    @staticmethod
+    def _complete(path: Path) -> Path:
+        path = path.resolve()
+        if not (path / COMPLETE).exists() or not (path / ".metadata").exists():
+            raise UserError(
+                f"checkpoint {path} is incomplete (a run ended while writing it); use an earlier checkpoint"
+            )
+        return path
+
+    @staticmethod
+    def _whole_tensors(path: Path, key: str, device: str) -> dict[str, torch.Tensor]:
+        """Empty whole tensors of `key`'s entries, shaped as saved (DCP's metadata holds the shapes)."""
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        prefix = f"{key}."
+        return {
+            name[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype, device=device)
+            for name, m in metadata.items()
+            if name.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+        }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -1,0 +1,73 @@
+"""Which modules FSDP shards as units (each gathered whole while it runs, then freed again).
+
+Per model family, one residual block or encoder block per unit: small units keep the
+gathered parameters small, and on CPU they were fastest too (docs/benchmarks.md). Models of
+no known family get a size rule; `fsdp.units` names module classes outright.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+import torchvision
+
+from multicard.config import FSDPConfig
+from multicard.errors import UserError
+
+
+def _params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def family_units(model: nn.Module) -> list[nn.Module] | None:
+    """The units of a known family, or None."""
+    tv = torchvision.models
+    if isinstance(model, tv.ResNet):  # each BasicBlock / Bottleneck
+        return [m for m in model.modules() if isinstance(m, (tv.resnet.BasicBlock, tv.resnet.Bottleneck))]
+    if isinstance(model, tv.VisionTransformer):  # each encoder block
+        return list(model.encoder.layers)
+    if isinstance(model, tv.ConvNeXt):  # each stage (a run of CNBlocks)
+        return [m for m in model.features if any(isinstance(c, tv.convnext.CNBlock) for c in m.children())]
+    for name in ("blocks", "stages", "layers"):  # timm: ViTs have blocks, ConvNeXt/EfficientNet stages
+        children = getattr(model, name, None)
+        if isinstance(children, (nn.Sequential, nn.ModuleList)) and len(children) > 1:
+            return list(children)
+    return None
+
+
+def size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Every module of at least `min_params` parameters whose children are all smaller; smaller
+    modules stay with the nearest unit above them (the root at the last)."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if _params(child) < min_params:
+                continue
+            if any(_params(grandchild) >= min_params for grandchild in child.children()):
+                visit(child)
+            else:
+                units.append(child)
+
+    visit(model)
+    return units
+
+
+def named_units(model: nn.Module, names: list[str], model_name: str) -> list[nn.Module]:
+    units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if not units:
+        classes = sorted({type(m).__name__ for m in model.modules() if m is not model and _params(m) > 0})
+        raise UserError(
+            f"fsdp.units={names} matches no module of model.name={model_name}; its module classes with "
+            f"parameters: {', '.join(classes[:12])}{', …' if len(classes) > 12 else ''}"
+        )
+    return units
+
+
+def choose_units(model: nn.Module, options: FSDPConfig, model_name: str) -> list[nn.Module]:
+    """The units to shard before the root, innermost first (FSDP shards nested units bottom-up)."""
+    if options.units:
+        units = named_units(model, list(options.units), model_name)
+    else:
+        units = family_units(model) or size_units(model, options.min_unit_params)
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    return sorted(units, key=lambda m: depth[id(m)], reverse=True)
