@@ -96,7 +96,11 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def final_params(out_dir: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
+    """The model of a run's newest checkpoint, whatever its format (a file, or shards)."""
+    from multicard.checkpoint import read_checkpoint
+
+    folder = out_dir / "checkpoints"
+    return read_checkpoint(folder / "last" if (folder / "last").is_dir() else folder / "last.pt")["model"]
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:

@@ -34,18 +34,21 @@ def test_plan_on_gpus_counts_gpus_not_cores():
     assert all("2 present" in r or "only 2 GPU" in r for _, r in plan.skipped)
 
 
-def test_variants_add_multicard_ddp_cells_only():
-    bf16 = parse_variant("bf16:ddp.comm_hook=bf16")
-    assert bf16 == Variant("bf16", ("ddp.comm_hook=bf16",))
-    plan = plan_cells(["multicard", "plain"], ["single", "ddp"], [2], ["fp32"], [bf16], gpus=0, cpu_cores=2)
-    with_variant = [c for c in plan.cells if c.variant == bf16]
-    assert [c.label for c in with_variant] == ["multicard/ddp×2/fp32+bf16"]
+def test_variants_add_multicard_cells_of_their_strategy_only():
+    bf16 = parse_variant("bf16:ddp.comm_hook=bf16", "ddp")
+    assert bf16 == Variant("bf16", ("ddp.comm_hook=bf16",), "ddp")
+    zero2 = parse_variant("zero2:fsdp.reshard_after_forward=false", "fsdp")
+    strategies = ["single", "ddp", "fsdp"]
+    plan = plan_cells(["multicard", "plain"], strategies, [2], ["fp32"], [bf16, zero2], gpus=0, cpu_cores=2)
+    with_variant = [c.label for c in plan.cells if c.variant != DEFAULT_VARIANT]
+    assert with_variant == ["multicard/ddp×2/fp32+bf16", "multicard/fsdp×2/fp32+zero2"]
+    assert [c.label for c, _ in plan.skipped if c.strategy == "fsdp"] == ["plain/fsdp×2/fp32"]  # no fsdp yardstick
 
 
 @pytest.mark.parametrize("text", ["bf16", "bf16:", ":ddp.comm_hook=bf16", "x:ddp.comm_hook"])
 def test_bad_variant_is_a_user_error(text):
     with pytest.raises(UserError, match="NAME:KEY=VALUE"):
-        parse_variant(text)
+        parse_variant(text, "ddp")
 
 
 def test_unknown_runner_is_a_user_error():

@@ -21,6 +21,13 @@ def test_verify_passes_on_a_correct_setup(tmp_path):
 
 
 @pytest.mark.distributed
+def test_verify_checks_fsdp_zero2_too(tmp_path):
+    result = cli("verify", "--keep", str(tmp_path), *SMALL, "strategy=fsdp", "fsdp.reshard_after_forward=false")
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert "PASS fsdp×2 (ZeRO-2) equals single after 4 steps (float64)" in result.stdout
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "fault, message",
     [
@@ -39,9 +46,9 @@ def test_verify_fails_on_a_broken_setup(fault, message, tmp_path):
 def test_parameter_check_reports_the_largest_difference():
     ref = {"a.weight": torch.ones(3, dtype=torch.float64), "a.steps": torch.tensor(4)}
     same = {k: v.clone() for k, v in ref.items()}
-    assert compare_parameters(same, ref, 2, 4).status == "pass"
+    assert compare_parameters(same, ref, "ddp×2", 4).status == "pass"
     off = {**same, "a.weight": torch.tensor([1.0, 1.0 + 1e-6, 1.0], dtype=torch.float64)}
-    outcome = compare_parameters(off, ref, 2, 4)
+    outcome = compare_parameters(off, ref, "ddp×2", 4)
     assert outcome.status == "fail" and "1.00e-06" in outcome.detail and "a.weight" in outcome.detail
 
 

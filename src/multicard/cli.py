@@ -25,6 +25,7 @@ from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.process_group import ProcessEnv, communication_failure, detect_env, die_with_launcher, resolve_gpus
 from multicard.run_lock import RunLock
+from multicard.strategy.fsdp_units import check_units
 from multicard.topology import resolve
 from multicard.verify.checks import FAULTS
 
@@ -87,12 +88,16 @@ def build_parser() -> _Parser:
         "YAML config file (default workload: resnet18, 32×32 on the device, batch 64)", "precision=bf16",
     )  # fmt: skip
     b.add_argument("--runners", default="multicard,plain", help="multicard,plain,lightning,accelerate")
-    b.add_argument("--strategies", default="single,dp,ddp", help="single,dp,ddp")
+    b.add_argument("--strategies", default="single,dp,ddp", help="single,dp,ddp,fsdp")
     b.add_argument("--world-sizes", default="1,2,4,8", help="processes (ddp) or GPUs (dp), e.g. 1,2")
     b.add_argument("--precisions", default="fp32", help="fp32,bf16,fp16")
     b.add_argument(
         "--ddp-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-        help="extra ddp cells with these options, e.g. bf16:ddp.comm_hook=bf16 (repeatable)",
+        help="extra ddp cells with these options, e.g. bf16:ddp.comm_hook=bf16 or zero1:ddp.shard_optimizer=true",
+    )  # fmt: skip
+    b.add_argument(
+        "--fsdp-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="extra fsdp cells with these options, e.g. zero2:fsdp.reshard_after_forward=false (repeatable)",
     )  # fmt: skip
     b.add_argument("--warmup", type=int, default=5, help="untimed steps per cell (default 5)")
     b.add_argument("--steps", type=int, default=30, help="timed steps per cell (default 30)")
@@ -142,7 +147,10 @@ def _bench(args: argparse.Namespace) -> int:
         strategies=_list(args.strategies, "--strategies"),
         world_sizes=_list(args.world_sizes, "--world-sizes", int),
         precisions=_list(args.precisions, "--precisions"),
-        variants=[parse_variant(v) for v in args.ddp_variant],
+        variants=[
+            *(parse_variant(v, "ddp") for v in args.ddp_variant),
+            *(parse_variant(v, "fsdp") for v in args.fsdp_variant),
+        ],
         warmup=args.warmup,
         steps=args.steps,
         repeats=args.repeats,
@@ -182,6 +190,8 @@ def _train(args: argparse.Namespace) -> int:
     topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
     if not topology.gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
+    if topology.strategy == "fsdp":
+        check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
     out_dir = commands.prepare_out_dir(cfg.out_dir)
     check_resume_settings(out_dir / "checkpoints", cfg.train.resume, to_dict(cfg))
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from multicard.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
-from multicard.process_group import LAUNCHER_PID, cpu_cores, wait_for_master
+from multicard.process_group import LAUNCHER_PID, available_memory, cpu_cores, wait_for_master
 
 # The agent forwards these to the workers: they checkpoint and exit 128 + signal, or quit at
 # once on SIGQUIT (stopping.py).
@@ -56,17 +56,6 @@ class LaunchOptions:
 
 
 WORKER_MEMORY = 1 << 29  # bytes a CPU worker needs at the least: torch itself, before any data (~0.5 GiB)
-
-
-def available_memory() -> int | None:
-    """Bytes this machine can still give processes (MemAvailable), or None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def check_cpu_capacity(nproc: int, oversubscribe: bool) -> None:
@@ -155,7 +144,7 @@ def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, d
     result.unlink(missing_ok=True)
     (workdir / "spec.json").write_text(json.dumps({**spec, "result": str(result)}))
     code = launch_workers(LaunchOptions(nproc_per_node=nproc), [str(workdir / "spec.json")], module)
-    return code, json.loads(result.read_text()) if code == 0 and result.exists() else None
+    return code, json.loads(result.read_text()) if result.exists() else None
 
 
 def _cause(exc: ChildFailedError) -> tuple[int, int]:

@@ -205,6 +205,9 @@ class Callback:
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
 
+    def on_gradients(self, trainer: Trainer) -> None:
+        """The step's gradients are reduced and about to be applied (before clipping and the optimizer)."""
+
     def on_step_end(self, trainer: Trainer, step: StepEnd) -> None: ...
 
     def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
@@ -346,7 +349,7 @@ class Trainer:
         steps = self.schedule.steps_in_epoch(pos.epoch)
         stop = None
         while pos.step_in_epoch < stop_at and stop is None:
-            self._step(batches)
+            self._step(batches, callbacks)
             pos.global_step += 1
             pos.step_in_epoch += 1
             times = self.clock.end_step()
@@ -365,7 +368,7 @@ class Trainer:
         self._epoch_clock = (started, samples_before, time.perf_counter())
         return stop
 
-    def _step(self, batches: Iterator[Batch]) -> None:
+    def _step(self, batches: Iterator[Batch], callbacks: Sequence[Callback]) -> None:
         """One optimizer step: grad_accum micro-steps, gradients reduced on the last one only."""
         sched, strategy, clock, model = self.schedule, self.strategy, self.clock, self.model
         accum = sched.grad_accum
@@ -390,6 +393,8 @@ class Trainer:
                 w[2] += y.numel()
                 w[3] += ~finite
         clock.enter(OPTIMIZER)
+        for cb in callbacks:
+            cb.on_gradients(self)
         if sched.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), sched.clip_grad_norm)

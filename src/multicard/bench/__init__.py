@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from multicard.bench.cells import Variant, plan_cells
+from multicard.bench.cells import MULTI_PROCESS, Variant, plan_cells
 from multicard.bench.report import plot, print_table, write_json
 from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
 from multicard.bench.worker import COMM_STEPS
@@ -32,7 +32,7 @@ WORKLOAD = {
     "data.name": "synthetic",
     "data.image_size": 32,
     "data.augment": False,
-    "data.loader": "device",
+    "data.loader": "auto",  # the device loader for small images
     "data.val_size": 64,
     "train.global_batch_size": 64,
     "train.epochs": 1,
@@ -79,7 +79,7 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
     workload = {} if options.config else dict(WORKLOAD)
     base = load_config(options.config, options.overrides, defaults=workload)
     needed = base.train.global_batch_size * (options.warmup + options.steps + COMM_STEPS + 1)
-    if base.data.name == "synthetic" and base.data.train_size < needed:
+    if base.data.name == "synthetic":  # generate the images the timed steps read, no more
         base = load_config(options.config, [*options.overrides, f"data.train_size={needed}"], defaults=workload)
     gpus, cores = cuda_count(), cpu_cores()
     plan = plan_cells(
@@ -88,7 +88,7 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
     configs = {cell: cell_config(base, cell, gpus, out / "work" / f"cell-{i}") for i, cell in enumerate(plan.cells)}
     for cell in list(plan.cells):  # what `multicard train` would refuse here is a skipped cell, with its reason
         try:
-            resolve(configs[cell], cell.processes, cell.processes, launched=cell.strategy == "ddp")
+            resolve(configs[cell], cell.processes, cell.processes, launched=cell.strategy in MULTI_PROCESS)
         except UserError as exc:
             plan.cells.remove(cell)
             plan.skipped.append((cell, str(exc)))
@@ -116,5 +116,5 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
 
 def _describe(options: BenchOptions) -> dict[str, Any]:
     d = dict(options.__dict__)
-    d["variants"] = [f"{v.name}:{','.join(v.overrides)}" for v in options.variants]
+    d["variants"] = [f"{v.strategy}:{v.name}:{','.join(v.overrides)}" for v in options.variants]
     return d

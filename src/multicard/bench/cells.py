@@ -1,4 +1,4 @@
-"""What `multicard bench` runs: cells of runner × strategy × world size × precision × DDP variant.
+"""What `multicard bench` runs: cells of runner × strategy × world size × precision × variant.
 
 A cell is one measurement in fresh processes. Cells that cannot run here (dp without CUDA,
 more processes than devices, a framework that is not installed) are planned as skipped with
@@ -14,28 +14,31 @@ from typing import Any
 from multicard.errors import UserError
 
 RUNNERS = ("multicard", "plain", "lightning", "accelerate")
-STRATEGIES = ("single", "dp", "ddp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp")
+MULTI_PROCESS = ("ddp", "fsdp")  # strategies whose world size is a process count
 FRAMEWORK_MODULES = {"lightning": "lightning", "accelerate": "accelerate"}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A named set of config overrides for ddp cells, e.g. bf16 gradient compression."""
+    """A named set of config overrides for one strategy's cells, e.g. ZeRO-2 for fsdp."""
 
     name: str
     overrides: tuple[str, ...] = ()
+    strategy: str = ""  # ddp or fsdp: the cells it adds to; "" for the default (every strategy)
 
 
 DEFAULT_VARIANT = Variant("default")
 
 
-def parse_variant(text: str) -> Variant:
-    """'NAME:KEY=VALUE,KEY=VALUE' → Variant (the keys are config keys, e.g. ddp.comm_hook=bf16)."""
+def parse_variant(text: str, strategy: str) -> Variant:
+    """'NAME:KEY=VALUE,KEY=VALUE' → a Variant of `strategy`'s cells (the keys are config keys)."""
     name, sep, rest = text.partition(":")
     overrides = tuple(item for item in rest.split(",") if item) if sep else ()
     if not name or not sep or not overrides or any("=" not in o for o in overrides):
-        raise UserError(f"--ddp-variant '{text}' is not NAME:KEY=VALUE[,KEY=VALUE], e.g. bf16:ddp.comm_hook=bf16")
-    return Variant(name, overrides)
+        example = "bf16:ddp.comm_hook=bf16" if strategy == "ddp" else "zero2:fsdp.reshard_after_forward=false"
+        raise UserError(f"--{strategy}-variant '{text}' is not NAME:KEY=VALUE[,KEY=VALUE], e.g. {example}")
+    return Variant(name, overrides, strategy)
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class Cell:
 
     @property
     def processes(self) -> int:
-        return self.world_size if self.strategy == "ddp" else 1
+        return self.world_size if self.strategy in MULTI_PROCESS else 1
 
     @property
     def label(self) -> str:
@@ -91,12 +94,12 @@ def skip_reason(cell: Cell, gpus: int, cpu_cores: int) -> str | None:
             return f"needs {cell.world_size} GPUs, {gpus} present"
         if cell.runner != "multicard" and cell.runner != "plain":
             return f"{cell.runner} has no DataParallel strategy"
-    if cell.strategy == "ddp":
+    if cell.strategy == "fsdp" and cell.runner != "multicard":
+        return f"{cell.runner} has no fsdp runner here"
+    if cell.strategy in MULTI_PROCESS:
         have, what = (gpus, "GPU(s)") if gpus else (cpu_cores, "CPU cores")
         if cell.world_size > have:
             return f"needs {cell.world_size} processes, only {have} {what}"
-    if cell.variant != DEFAULT_VARIANT and (cell.strategy != "ddp" or cell.runner != "multicard"):
-        return "DDP variants apply to multicard's ddp cells"
     return None
 
 
@@ -119,7 +122,7 @@ def plan_cells(
         for strategy in strategies:
             sizes = [1] if strategy == "single" else world_sizes
             for world_size in sizes:
-                for variant in [DEFAULT_VARIANT, *variants] if strategy == "ddp" else [DEFAULT_VARIANT]:
+                for variant in [DEFAULT_VARIANT, *(v for v in variants if v.strategy == strategy)]:
                     for runner in runners:
                         cell = Cell(runner, strategy, world_size, precision, variant)
                         if variant != DEFAULT_VARIANT and runner != "multicard":

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 def sync(device: torch.device) -> None:
@@ -56,6 +57,25 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - start
+
+
+def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the tensors this rank holds — its local shard of a sharded (DTensor) one — each
+    storage counted once."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer state tensors this rank keeps (ZeRO-1: those of its own parameters)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    return [v for state in local.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def gradient_bytes(model: nn.Module) -> int:

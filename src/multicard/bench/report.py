@@ -22,9 +22,22 @@ def _ratio(spread: dict[str, float] | None) -> str:
     return f"{spread['median']:.3f} [{spread['min']:.2f}–{spread['max']:.2f}]"
 
 
+def _held(per_rank: list[dict[str, float]] | None) -> str:
+    """Rank 0's parameters/gradients/optimizer state (MiB), with the largest rank's total when ranks differ."""
+    if not per_rank or not per_rank[0]:
+        return "—"
+    first = per_rank[0]
+    text = f"{first['params']:.0f}/{first['grads']:.0f}/{first['optimizer']:.0f}"
+    totals = [sum(r.values()) for r in per_rank if r]
+    return text if max(totals) - min(totals) < 1 else f"{text} (max {max(totals):.0f})"
+
+
 def table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="multicard bench", show_lines=False)
-    columns = ("cell", "img/s", "step ms", "efficiency", "÷ plain", "peak MB", "data/fb/comm/opt ms", "all-reduce GB/s")
+    columns = (
+        "cell", "img/s", "step ms", "efficiency", "÷ plain", "peak MB", "param/grad/opt MiB per rank",
+        "data/fb/comm/opt ms", "all-reduce GB/s",
+    )  # fmt: skip
     for name in columns:
         t.add_column(name, justify="left" if name == "cell" else "right")
     for row in rows:
@@ -32,7 +45,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
         if row.get("variant", "default") != "default":
             label += f"+{row['variant']}"
         if row["status"] != "ok":
-            t.add_row(label, f"[dim]{row['status']}: {row.get('reason', '')}[/dim]", *[""] * 6)
+            t.add_row(label, f"[dim]{row['status']}: {row.get('reason', '')}[/dim]", *[""] * 7)
             continue
         b = row.get("breakdown")
         parts = ("data_ms", "compute_ms", "comm_exposed_ms", "optimizer_ms")
@@ -50,6 +63,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
             _ratio(row.get("efficiency")),
             _ratio(row.get("vs_plain")),
             _num(row.get("peak_mem_mb")),
+            _held(row.get("held_mib_per_rank")),
             split,
             rate,
         )

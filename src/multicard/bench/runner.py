@@ -116,6 +116,7 @@ def make_rows(
             step_ms_repeats=medians,
             peak_mem_mb=max(peaks) if peaks else None,
             peak_mem_mb_per_device=middle.get("peak_mem_mb_per_device"),
+            held_mib_per_rank=middle.get("held_mib_per_rank"),
             breakdown=middle.get("breakdown"),
             allreduce=middle.get("allreduce"),
             threads=middle.get("threads"),

@@ -16,8 +16,17 @@ from typing import Any
 
 import torch
 
-from multicard.bench.measure import CommTimer, StepClock, gradient_bytes, raw_allreduce_ms, summary_ms
+from multicard.bench.measure import (
+    CommTimer,
+    StepClock,
+    gradient_bytes,
+    held_bytes,
+    optimizer_tensors,
+    raw_allreduce_ms,
+    summary_ms,
+)
 from multicard.config import Config, config_from_dict
+from multicard.errors import MulticardError
 from multicard.phases import split
 from multicard.process_group import detect_env, die_with_launcher
 from multicard.session import Session, open_session
@@ -43,6 +52,24 @@ class StepTimer(Callback):
     def breakdown(self) -> dict[str, float]:
         """Median of each part of the split over the timed steps (ms)."""
         return {k: statistics.median(s[k] for s in self.splits) for k in self.splits[0]} if self.splits else {}
+
+
+class HeldState(Callback):
+    """MiB of parameters, gradients and optimizer state this rank holds, read once a step's
+    gradients exist (optimizer state is there from the second step on)."""
+
+    def __init__(self) -> None:
+        self.mib: dict[str, float] = {}
+
+    def on_gradients(self, trainer: Trainer) -> None:
+        if trainer.position.global_step < 1:
+            return
+        params = list(trainer.bare.parameters())
+        self.mib = {
+            "params": held_bytes(params) / 2**20,
+            "grads": held_bytes(p.grad for p in params) / 2**20,
+            "optimizer": held_bytes(optimizer_tensors(trainer.optimizer)) / 2**20,
+        }
 
 
 class CommSpans(Callback):
@@ -72,9 +99,11 @@ def _allreduce(s: Session, start: int) -> dict[str, Any]:
 def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[str, Any] | None:
     with open_session(cfg, detect_env()) as s:
         timer = StepTimer(s.ctx.device, warmup)
-        s.trainer.fit([timer], until=warmup + steps, validate=False)
+        held = HeldState()
+        s.trainer.fit([timer, held], until=warmup + steps, validate=False)
         comm = _allreduce(s, warmup + steps) if strategy == "ddp" else None
         peaks = [mb for rank in s.strategy.all_gather_object(peak_memory_mb(s.strategy.devices)) for mb in rank]
+        held_per_rank = s.strategy.all_gather_object(held.mib)
         if not s.ctx.is_main:
             return None
         return {
@@ -83,6 +112,7 @@ def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[s
             "breakdown": timer.breakdown(),
             "allreduce": comm,
             "peak_mem_mb_per_device": peaks,
+            "held_mib_per_rank": held_per_rank,
             "threads": torch.get_num_threads(),
             "loader": s.data.loader,
         }
@@ -95,7 +125,13 @@ def main(argv: list[str]) -> int:
     cfg = config_from_dict(spec["config"])
     warmup, steps = spec["warmup"], spec["steps"]
     if runner == "multicard":
-        result = run_multicard(cfg, strategy, warmup, steps)
+        try:
+            result = run_multicard(cfg, strategy, warmup, steps)
+        except MulticardError as exc:  # said in one line, and the cell's row gives the reason
+            print(f"multicard bench: {exc}", file=sys.stderr)
+            if detect_env().rank == 0:
+                Path(spec["result"]).write_text(json.dumps({"failed": str(exc)}))
+            return exc.exit_code
     elif runner == "plain":
         from multicard_yardsticks.plain import run_plain
 

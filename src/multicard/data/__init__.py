@@ -28,10 +28,11 @@ from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
 from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
 from multicard.errors import UserError
-from multicard.process_group import ProcessContext, cpu_cores
+from multicard.process_group import ProcessContext, available_memory, cpu_cores
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
 MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory
+SYNTHETIC_OVERHEAD = 2  # generating takes about twice the images' bytes (float work arrays per chunk)
 
 
 @dataclass
@@ -61,6 +62,7 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
     if d.name == "synthetic":
         if not 2 <= d.num_classes <= len(CLASSES):
             raise UserError(f"data.num_classes={d.num_classes} must be in 2..{len(CLASSES)} for synthetic data")
+        check_synthetic_fits(d)
         train = InMemory(*make_synthetic(d.train_size, d.image_size, seed, d.num_classes))
         val = InMemory(*make_synthetic(d.val_size, d.image_size, seed + VAL_SEED_OFFSET, d.num_classes))
         splits = Splits(train, val, list(CLASSES[: d.num_classes]))
@@ -73,6 +75,18 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         check_same_classes(splits.classes, classes, Path(d.val_root))
         splits = Splits(splits.train, val, splits.classes)
     return splits
+
+
+def check_synthetic_fits(d: DataConfig) -> None:
+    """The embedded dataset is generated in every process's memory: refuse sizes that would not fit."""
+    needed = (d.train_size + d.val_size) * 3 * d.image_size**2 * SYNTHETIC_OVERHEAD
+    available = available_memory()
+    if available is not None and needed > available // MEMORY_SHARE:
+        raise UserError(
+            f"data.train_size={d.train_size} synthetic images of {d.image_size} px take about {needed / 2**30:.1f} GiB "
+            f"per process to generate, more than a quarter of the memory available; lower data.train_size "
+            f"or data.image_size"
+        )
 
 
 def choose_loader(d: DataConfig, splits: Splits, device: torch.device, local_world_size: int) -> str:

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from multicard.compilation import compile_in_place, compiled_original
 from multicard.optim import OptimizerRecipe
@@ -120,6 +126,16 @@ class Strategy:
         strategy can load it; `whole`: whole tensors on rank 0 (they are whole already here).
         Every rank calls it."""
         return get_state_dict(bare, optimizer)
+
+    def whole_model_state(self, bare: nn.Module) -> StateDict:
+        """A copy of the model's state as whole CPU tensors on rank 0 (gathered under fsdp; empty
+        elsewhere). A copy: on the CPU, offloading would hand out the live parameters themselves."""
+        whole = get_model_state_dict(bare, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().clone() for k, v in whole.items()}
+
+    def load_whole_model_state(self, bare: nn.Module, state: StateDict) -> None:
+        """Whole tensors into the model, every rank giving them (sharded on the way in under fsdp)."""
+        set_model_state_dict(bare, state, options=StateDictOptions(full_state_dict=True))
 
     def load_state_dicts(
         self, bare: nn.Module, optimizer: torch.optim.Optimizer, model_state: StateDict, optim_state: StateDict

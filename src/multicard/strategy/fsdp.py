@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from multicard.allocator import release_large_buffers
 from multicard.compilation import compile_in_place
 from multicard.config import FSDPConfig
 from multicard.precision import Precision
@@ -55,6 +56,8 @@ class FSDPStrategy(DistributedStrategy):
         self.options = options
         self.model_name = model_name
         self.units: list[nn.Module] = []
+        if ctx.device.type == "cpu":
+            release_large_buffers()  # before the model is built: see allocator.py
 
     def mesh(self) -> DeviceMesh:
         ctx = self.ctx

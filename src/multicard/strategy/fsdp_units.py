@@ -7,11 +7,13 @@ no known family get a size rule; `fsdp.units` names module classes outright.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 import torchvision
 
-from multicard.config import FSDPConfig
+from multicard.config import FSDPConfig, ModelConfig
 from multicard.errors import UserError
+from multicard.models import build_model
 
 
 def _params(module: nn.Module) -> int:
@@ -71,3 +73,12 @@ def choose_units(model: nn.Module, options: FSDPConfig, model_name: str) -> list
         units = family_units(model) or size_units(model, options.min_unit_params)
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     return sorted(units, key=lambda m: depth[id(m)], reverse=True)
+
+
+def check_units(model_cfg: ModelConfig, units: list[str], num_classes: int) -> None:
+    """fsdp.units names module classes of this model: checked on a model built on the meta
+    device (no memory, no initialisation), before any worker starts."""
+    if units:
+        with torch.device("meta"):
+            model = build_model(model_cfg.name, num_classes, dict(model_cfg.kwargs))
+        named_units(model, units, model_cfg.name)

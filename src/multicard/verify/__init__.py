@@ -60,6 +60,13 @@ def _run(cfg: Config, nproc: int, steps: int, workdir: Path, fault: str | None, 
     return result
 
 
+def _variant(cfg: Config) -> str:
+    """' (ZeRO-1)', ' (ZeRO-2)', ' (ZeRO-3)' or ''."""
+    if cfg.strategy == "fsdp":
+        return " (ZeRO-3)" if cfg.fsdp.reshard_after_forward else " (ZeRO-2)"
+    return " (ZeRO-1)" if cfg.ddp.shard_optimizer else ""
+
+
 def verify(options: VerifyOptions, console: Console | None = None) -> list[Outcome]:
     console = console or Console(highlight=False)
     if not console.is_terminal:
@@ -84,7 +91,9 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
     with tempfile.TemporaryDirectory(prefix="multicard-verify-") as tmp:
         root = Path(options.out or tmp)
         single_cfg = with_overrides(user, [*fixed, "strategy=single", f"out_dir={root / 'single'}"])
-        multi_overrides = [*fixed, "strategy=ddp", f"out_dir={root / 'ddp'}"]
+        strategy = user.strategy if user.strategy in ("ddp", "fsdp") else "ddp"  # the layout to check
+        label = f"{strategy}×{options.nproc}" + _variant(user)
+        multi_overrides = [*fixed, f"strategy={strategy}", f"out_dir={root / 'multi'}"]
         bn_note = ""
         if has_batchnorm(probe):
             multi_overrides.append("sync_bn=true")  # per-rank statistics would differ from one process's
@@ -93,17 +102,18 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
         broken = f"; broken on purpose: {options.fault}" if options.fault else ""
         console.print(
             f"multicard verify: {user.model.name}, global batch {user.train.global_batch_size}, {options.steps} steps "
-            f"in float64: 1 process vs {options.nproc}{bn_note}{broken}"
+            f"in float64: 1 process vs {label}{bn_note}{broken}"
         )
         single = _run(single_cfg, 1, options.steps, root / "single", None, None)
         reference = root / "single" / "params.pt"
-        multi = _run(multi_cfg, options.nproc, options.steps, root / "ddp", options.fault, reference)
+        multi = _run(multi_cfg, options.nproc, options.steps, root / "multi", options.fault, reference)
         if has_dropout(probe):
-            outcomes.append(Outcome("ddp equals single", "skip", "not comparable: dropout draws its masks per rank"))
+            why = "not comparable: dropout draws its masks per rank"
+            outcomes.append(Outcome(f"{label} equals single", "skip", why))
         else:
-            a = torch.load(root / "ddp" / "params.pt")
-            b = torch.load(root / "single" / "params.pt")
-            outcomes.append(compare_parameters(a, b, options.nproc, options.steps))
+            a = torch.load(root / "multi" / "params.pt", weights_only=True)
+            b = torch.load(root / "single" / "params.pt", weights_only=True)
+            outcomes.append(compare_parameters(a, b, label, options.steps))
         outcomes.append(compare_eval(multi["eval"], single["eval"], options.nproc))
         outcomes.append(check_coverage(multi["coverage"], multi["num_samples"], user.train.global_batch_size))
     for o in outcomes:

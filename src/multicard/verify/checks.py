@@ -38,10 +38,10 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 
 def compare_parameters(
-    ddp: dict[str, torch.Tensor], single: dict[str, torch.Tensor], world: int, steps: int
+    multi: dict[str, torch.Tensor], single: dict[str, torch.Tensor], label: str, steps: int
 ) -> Outcome:
-    diff, where = max_relative_difference(ddp, single)
-    name = f"ddp×{world} equals single after {steps} steps (float64)"
+    diff, where = max_relative_difference(multi, single)
+    name = f"{label} equals single after {steps} steps (float64)"
     detail = f"max relative difference {diff:.2e} (largest in {where}; tolerance {PARAM_RTOL:.0e})"
     return Outcome(name, "pass" if diff <= PARAM_RTOL else "fail", detail)
 

@@ -53,10 +53,10 @@ def main(argv: list[str]) -> int:
         _inject(fault, loader, s.ctx.rank)
         coverage = s.strategy.all_gather_object(_sample_indices(loader, COVERAGE_EPOCHS))
         s.trainer.fit(until=steps, validate=False)
-        params = {k: v.detach().cpu().clone() for k, v in s.trainer.bare.state_dict().items()}
+        params = s.strategy.whole_model_state(s.trainer.bare)
         reference = spec.get("reference")
         if reference:  # evaluate the single run's parameters with this many processes
-            s.trainer.bare.load_state_dict(torch.load(reference, map_location=s.ctx.device))
+            s.strategy.load_whole_model_state(s.trainer.bare, torch.load(reference, weights_only=True))
         result = evaluate(s.trainer.bare, s.data.val, s.strategy)
         if s.ctx.is_main:
             torch.save(params, spec["params"])

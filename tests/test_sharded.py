@@ -1,0 +1,206 @@
+"""Sharded training — fsdp ZeRO-3 and ZeRO-2, HSDP, ZeRO-1 under ddp — and sharded checkpoints
+that reshard on load, with real processes (gloo on CPU) and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import (
+    ROOT,
+    alive,
+    cli,
+    descendants,
+    final_params,
+    max_rel_diff,
+    start,
+    wait_for,
+    worker_pid,
+)
+from multicard.checkpoint import checkpoints_in
+from multicard.cli import main
+
+pytestmark = pytest.mark.distributed
+
+MODELS = {"PYTHONPATH": str(ROOT / "tests")}  # sharding_models.py
+# float64, a model without BatchNorm whose shards are uneven at 2 and 3 ranks, 4 steps per epoch.
+ODD = [
+    "model.name=sharding_models:odd", "data.num_classes=5", "data.image_size=16", "data.train_size=96",
+    "data.val_size=64", "train.global_batch_size=24", "precision=fp64", "sched.name=constant", "log_every=2",
+]  # fmt: skip
+
+
+def launch(nproc: int) -> list[str]:
+    return ["--nproc-per-node", str(nproc), "--oversubscribe"] if nproc > 1 else []
+
+
+def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = cli("train", *args, env=MODELS, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    train(*ODD, "train.max_steps=6", f"out_dir={out}")
+    return final_params(out)
+
+
+@pytest.mark.parametrize(
+    "nproc, options",
+    [
+        (2, ["strategy=fsdp"]),
+        (2, ["strategy=fsdp", "fsdp.reshard_after_forward=false"]),
+        (3, ["strategy=fsdp"]),
+        (3, ["strategy=fsdp", "fsdp.reshard_after_forward=false"]),
+        (2, ["strategy=ddp", "ddp.shard_optimizer=true"]),
+    ],
+    ids=["zero3x2", "zero2x2", "zero3x3", "zero2x3", "zero1x2"],
+)
+def test_sharded_training_equals_one_process(single, tmp_path, nproc, options):
+    """Six steps with two micro-steps each (the first without communication): within 1e-10."""
+    train(*launch(nproc), *ODD, *options, "train.max_steps=6", "train.grad_accum=2", f"out_dir={tmp_path}")
+    assert max_rel_diff(final_params(tmp_path), single) < 1e-10
+
+
+def test_hsdp_over_two_nodes_equals_one_process(single, tmp_path):
+    """fsdp.replicate=nodes on two nodes (two launchers on this host): a 2-D mesh, same maths."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "multicard", "train", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), *ODD, "strategy=fsdp",
+             "fsdp.replicate=nodes", "train.max_steps=6", f"out_dir={tmp_path}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **MODELS},
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert max_rel_diff(final_params(tmp_path), single) < 1e-10
+
+
+def test_sharding_holds_half_the_state_per_rank(tmp_path):
+    """An 80 M-parameter model with AdamW: bytes of parameters, gradients and optimizer state each
+    rank holds (its tensors, shards counted as held) under fsdp×2 ≤ 0.55 × ddp×2."""
+    result = cli(
+        "bench", "--runners", "multicard", "--strategies", "ddp,fsdp", "--world-sizes", "2", "--warmup", "0",
+        "--steps", "2", "--out", str(tmp_path), "model.name=sharding_models:wide", "data.image_size=16",
+        "optim.name=adamw", "train.global_batch_size=2", "data.val_size=2", env=MODELS, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {row["strategy"]: row for row in json.loads((tmp_path / "bench.json").read_text())}
+    ddp, fsdp = (rows[s]["held_mib_per_rank"] for s in ("ddp", "fsdp"))
+    assert sum(ddp[0].values()) > 80e6 * 4 * 4 / 2**20  # parameters + gradients + two AdamW moments
+    ratio = max(sum(r.values()) for r in fsdp) / min(sum(r.values()) for r in ddp)
+    assert ratio <= 0.55, (ddp, fsdp)
+
+
+# ------------------------------------------------------------------ sharded checkpoints
+
+# Two epochs of 50 steps, a checkpoint every 5 steps: long enough to stop mid-epoch.
+LONG = [*ODD, "data.train_size=1200", "train.epochs=2", "checkpoint.every_steps=5", "strategy=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The out_dir of an uninterrupted fsdp×2 run."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    train(*launch(2), *LONG, f"out_dir={out}")
+    return out
+
+
+@pytest.mark.parametrize("resume_with", [3, 1], ids=["fsdp3", "single"])
+def test_stopped_fsdp2_run_resumes_under_another_layout_exactly(uninterrupted, tmp_path, resume_with):
+    launcher = start("train", *launch(2), *LONG, f"out_dir={tmp_path}", env=MODELS)
+    wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first sharded checkpoint")
+    os.kill(launcher.pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, err
+    stopped = re.search(r"stopped by SIGTERM at step (\d+)", err)
+    assert stopped and 5 <= int(stopped[1]) < 100  # mid-run
+    layout = [*launch(3), "strategy=fsdp"] if resume_with == 3 else ["strategy=single"]
+    result = train(*LONG, *layout, f"out_dir={tmp_path}")
+    assert f"resumed from {tmp_path / 'checkpoints'}/step-{int(stopped[1]):09d}" in result.stdout
+    assert max_rel_diff(final_params(tmp_path), final_params(uninterrupted)) < 1e-10
+    if resume_with == 3:  # export, then eval in one process: exactly the run's own final top-1 and loss
+        exported = tmp_path / "model.pt"
+        assert main(["export", "--checkpoint", str(tmp_path / "checkpoints" / "last"), "--out", str(exported)]) == 0
+        evaluated = cli("eval", "--checkpoint", str(tmp_path / "checkpoints" / "last"), "--json", env=MODELS)
+        assert evaluated.returncode == 0, evaluated.stderr
+        final = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+        got = json.loads(evaluated.stdout.strip().splitlines()[-1])
+        assert (got["top1"], got["loss"]) == (final["val_top1"], final["val_loss"])
+        assert torch.load(exported, weights_only=True).keys() == final_params(tmp_path).keys()
+
+
+def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL of rank 1 while a sharded checkpoint is being written: the next run removes the
+    unfinished directory, says so, and resumes from the last complete checkpoint."""
+    big = ["model.name=sharding_models:wide", "model.kwargs.width=2048", "model.kwargs.depth=4", "optim.name=adamw",
+           "data.image_size=16", "data.train_size=512", "train.global_batch_size=4", "strategy=fsdp",
+           "checkpoint.every_steps=1", "log_every=1", "sched.name=constant"]  # fmt: skip
+    launcher = start("train", *launch(2), *big, f"out_dir={tmp_path}", env=MODELS)
+    folder = tmp_path / "checkpoints"
+    try:
+        wait_for(lambda: bool(checkpoints_in(folder)), what="a complete checkpoint")
+        wait_for(lambda: bool(list(folder.glob(".step-*.incomplete"))), what="a checkpoint being written")
+        os.kill(worker_pid(launcher.pid, 1), signal.SIGKILL)
+        workers = descendants(launcher.pid)
+        launcher.communicate(timeout=120)
+        wait_for(lambda: not alive(workers), timeout=30, what="the workers to end")
+    finally:
+        launcher.kill()
+    unfinished = [p.name for p in folder.glob(".step-*.incomplete")]
+    complete = [p.name for p in checkpoints_in(folder)]
+    assert unfinished and complete
+    newest = max(int(name[len("step-") :]) for name in complete)
+    result = train(*launch(2), *big, f"train.max_steps={newest + 1}", f"out_dir={tmp_path}")
+    assert f"removed {unfinished[0]}: a run ended while writing that checkpoint" in result.stdout
+    assert f"resumed from {folder}/step-{newest:09d}" in result.stdout
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ddp.comm_hook=fp16"], "ddp.comm_hook=fp16 compresses DDP's all-reduce; strategy=fsdp reduce-scatters"),
+        (["ddp.static_graph=true"], "ddp.static_graph is a DDP option and has no effect under strategy=fsdp"),
+        (["fsdp.units=[NoSuchBlock]"], "fsdp.units=['NoSuchBlock'] matches no module of model.name=smallcnn"),
+        (["fsdp.replicate=nodes"], "fsdp.replicate=nodes (HSDP) replicates across nodes, but this job runs on one"),
+    ],
+    ids=["comm-hook", "ddp-option", "unit", "replicate"],
+)
+def test_fsdp_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys, overrides, message):
+    args = ["train", "--nproc-per-node", "2", "strategy=fsdp", "model.name=smallcnn", f"out_dir={tmp_path}"]
+    assert main([*args, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_file_of_a_sharded_checkpoint_names_its_directory(uninterrupted, tmp_path, capsys):
+    step = checkpoints_in(uninterrupted / "checkpoints")[0]
+    shard = next(step.glob("__0_*.distcp"))
+    assert main(["eval", "--checkpoint", str(shard)]) == 2
+    assert f"is one file of the sharded checkpoint {step}; give the directory" in capsys.readouterr().err
+    unfinished = tmp_path / ".step-000000005.incomplete"
+    unfinished.mkdir()
+    assert main(["export", "--checkpoint", str(unfinished), "--out", str(tmp_path / "m.pt")]) == 2
+    assert "is incomplete (a run ended while writing it)" in capsys.readouterr().err
