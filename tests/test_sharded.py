@@ -127,7 +127,9 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("resume_with", [3, 1], ids=["fsdp3", "single"])
 def test_stopped_fsdp2_run_resumes_under_another_layout_exactly(uninterrupted, tmp_path, resume_with):
-    launcher = start("train", *launch(2), *LONG, f"out_dir={tmp_path}", env=MODELS)
+    """SIGTERM mid-epoch under fsdp×2 (writing its checkpoints in the background), then the rest of
+    the run under fsdp×3 or one process: the parameters end where an uninterrupted run's do."""
+    launcher = start("train", *launch(2), *LONG, "checkpoint.async_save=true", f"out_dir={tmp_path}", env=MODELS)
     wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first sharded checkpoint")
     os.kill(launcher.pid, signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)

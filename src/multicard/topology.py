@@ -69,6 +69,12 @@ def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool,
     gpus = resolve_gpus(parse_devices(cfg.devices))
     if strategy == "fsdp":
         check_fsdp(cfg, world_size, local_world_size)
+    sharded = cfg.checkpoint.format == "sharded" or (cfg.checkpoint.format == "auto" and strategy == "fsdp")
+    if cfg.checkpoint.async_save and not sharded:
+        raise UserError(
+            "checkpoint.async_save=true writes sharded checkpoints in the background; set checkpoint.format=sharded "
+            "(fsdp's default) or drop checkpoint.async_save"
+        )
     if cfg.ddp.shard_optimizer and cfg.checkpoint.format == "sharded":
         raise UserError(
             "ddp.shard_optimizer=true gathers the whole optimizer state on rank 0 for a checkpoint file; "

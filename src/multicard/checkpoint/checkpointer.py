@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from multicard import __version__
 from multicard.atomic import remove_temporaries
 from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_format, check_resumable, check_settings
@@ -103,6 +105,10 @@ class Checkpointer(Callback):
         self.say = say
         self.writer = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
         self.last_saved: tuple[int, Path] | None = None
+        # Background writes need a process group of their own: their collectives would otherwise
+        # interleave with training's (gloo aborts on that).
+        self.background = dist.new_group(backend="gloo") if options.async_save and self.ctx.distributed else None
+        self._pending: tuple[Path, Callable[[], None], bool] | None = None  # a write still in progress
 
     # ------------------------------------------------------------ resume
 
@@ -177,8 +183,10 @@ class Checkpointer(Callback):
 
     def save(self, trainer: Trainer, val: EvalResult | None = None, best: bool = False) -> Path:
         """Write the checkpoint of the current step (every rank calls it), then point last (and
-        best) at it and drop old ones; all ranks return once it is complete."""
+        best) at it and drop old ones; all ranks return once it is complete, or, with
+        checkpoint.async_save, once its writing has begun (it completes before the next save)."""
         trainer.set_phase(CHECKPOINT)
+        self.finish_writing()
         pos = trainer.position
         state = trainer.state_dict(whole=self.writer.whole_state)
         contents = {
@@ -198,7 +206,20 @@ class Checkpointer(Callback):
             },
         }
         path = self.writer.path_for(self.folder, pos.global_step)
-        self.writer.write(path, contents, self.ctx)
+        self._pending = (path, self.writer.write(path, contents, self.ctx, self.background), best)
+        if self.background is None:
+            self.finish_writing()
+        self.last_saved = (pos.global_step, path)
+        trainer.set_phase(IDLE)
+        return path
+
+    def finish_writing(self) -> None:
+        """Complete the write in progress, if any: then point last (and best) at it and rotate."""
+        if self._pending is None:
+            return
+        path, complete, best = self._pending
+        self._pending = None
+        complete()
         if self.ctx.is_main:
             self._remove_pointers(f for f in FORMATS.values() if f is not self.writer)  # a run that changed format
             self.writer.point(self.folder, "last", path)
@@ -206,9 +227,6 @@ class Checkpointer(Callback):
                 self.writer.point(self.folder, "best", path)
             self._rotate()
         self.strategy.barrier()
-        self.last_saved = (pos.global_step, path)
-        trainer.set_phase(IDLE)
-        return path
 
     def _rotate(self) -> None:
         keep = self.writer.pinned(self.folder)
@@ -230,4 +248,8 @@ class Checkpointer(Callback):
     def on_stop(self, trainer: Trainer, stop: Stopped) -> None:
         if self.last_saved is None or self.last_saved[0] != trainer.position.global_step:
             self.save(trainer)
+        self.finish_writing()
         stop.checkpoint = str(self.last_saved[1]) if self.last_saved else None
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        self.finish_writing()

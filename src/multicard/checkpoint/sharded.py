@@ -14,6 +14,8 @@ import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +70,15 @@ class Sharded:
             if _digits(p).isdigit() and p.is_dir() and not p.is_symlink() and (p / COMPLETE).exists()
         ]
 
-    def write(self, path: Path, state: dict[str, Any], ctx: ProcessContext) -> None:
-        """Every rank writes its shard into the temporary directory; rank 0 completes and renames it."""
+    def write(
+        self, path: Path, state: dict[str, Any], ctx: ProcessContext, background: Any = None
+    ) -> Callable[[], None]:
+        """Every rank writes its shard into the temporary directory; returns `complete`, which
+        waits for that and (rank 0) adds the marker and renames the directory into place.
+
+        With `background` (a process group of its own), the shards are written by a background
+        thread from a CPU copy of each rank's state, and training goes on until `complete`.
+        """
         tmp = path.with_name(f".{path.name}{INCOMPLETE}")
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -77,22 +86,30 @@ class Sharded:
                 tmp.mkdir(parents=True)
             except OSError as exc:
                 raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable out_dir") from None
-        ctx.barrier()
-        try:
-            # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
-            planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-            dcp.save({k: state[k] for k in TENSORS}, checkpoint_id=tmp, planner=planner)
-        except (CheckpointException, OSError) as exc:  # CheckpointException is a BaseException
-            raise UserError(
-                f"cannot write {path} ({_first_line(exc)}); free space in {path.parent} or choose another out_dir "
-                f"(earlier checkpoints are intact)"
-            ) from None
-        if ctx.is_main:
             save_atomic({k: v for k, v in state.items() if k not in TENSORS}, tmp / TRAIN_STATE)
-            write_text_atomic(tmp / COMPLETE, f"step {state['step']}, {ctx.world_size} shard(s)\n")
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
+        ctx.barrier()
+        tensors = {k: state[k] for k in TENSORS}
+        # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        with _unwritable(path):
+            if background is None:
+                dcp.save(tensors, checkpoint_id=tmp, planner=planner)
+                pending = None
+            else:
+                pending = dcp.async_save(tensors, checkpoint_id=tmp, planner=planner, process_group=background)
+
+        def complete() -> None:
+            if pending is not None:
+                with _unwritable(path):
+                    pending.result()
+                ctx.barrier()  # every rank's shard is written
+            if ctx.is_main:
+                write_text_atomic(tmp / COMPLETE, f"step {state['step']}, {ctx.world_size} shard(s)\n")
+                if path.exists():
+                    shutil.rmtree(path)
+                os.replace(tmp, path)
+
+        return complete
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         """Everything but the tensors' values: train state, config, and the model's tensor shapes."""
@@ -159,6 +176,18 @@ class Sharded:
             for name, m in metadata.items()
             if name.startswith(prefix) and isinstance(m, TensorStorageMetadata)
         }
+
+
+@contextmanager
+def _unwritable(path: Path) -> Iterator[None]:
+    """A failed write (disk full, quota) in one line; CheckpointException is a BaseException."""
+    try:
+        yield
+    except (CheckpointException, OSError) as exc:
+        raise UserError(
+            f"cannot write {path} ({_first_line(exc)}); free space in {path.parent} or choose another out_dir "
+            f"(earlier checkpoints are intact)"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ Files are read with torch's weights-only unpickler: a crafted file cannot run co
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,13 @@ class SingleFile:
                 out.append((int(digits), p))
         return out
 
-    def write(self, path: Path, state: dict[str, Any], ctx: ProcessContext) -> None:
-        """Rank 0 writes (every rank holds the same model); the checkpointer then waits for all."""
+    def write(
+        self, path: Path, state: dict[str, Any], ctx: ProcessContext, background: Any = None
+    ) -> Callable[[], None]:
+        """Rank 0 writes (every rank holds the same model); the file is complete on return."""
         if ctx.is_main:
             save_atomic(state, path)
+        return lambda: None
 
     def read(self, path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
         return load_file(path)
