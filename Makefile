@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,jpeg]'
 	@touch $@
 
 install: $(VENV)/.installed

@@ -206,3 +206,18 @@ def test_a_file_of_a_sharded_checkpoint_names_its_directory(uninterrupted, tmp_p
     unfinished.mkdir()
     assert main(["export", "--checkpoint", str(unfinished), "--out", str(tmp_path / "m.pt")]) == 2
     assert "is incomplete (a run ended while writing it)" in capsys.readouterr().err
+
+
+def test_zero1_and_async_save_are_refused_where_they_cannot_work(tmp_path, capsys):
+    cases = [
+        (["strategy=single", "ddp.shard_optimizer=true"], "ZeRO-1) shards optimizer state over DDP ranks but"),
+        (["strategy=ddp", "ddp.shard_optimizer=true", "checkpoint.format=sharded"], "gathers the whole optimizer"),
+        (["strategy=ddp", "checkpoint.async_save=true"], "checkpoint.async_save=true writes sharded checkpoints"),
+        (["data.image_size=224"], "synthetic images of 224 px take about"),
+    ]
+    for overrides, message in cases:
+        assert main(["train", "model.name=smallcnn", "data.train_size=200000", f"out_dir={tmp_path}", *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (overrides, err)
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "is a directory that holds no checkpoint" in capsys.readouterr().err  # out_dir is not a checkpoint

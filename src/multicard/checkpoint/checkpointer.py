@@ -40,6 +40,11 @@ def format_of(path: Path) -> Any:
             return fmt
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise UserError(
+            f"{path} is a directory that holds no checkpoint; give a step directory "
+            f"(…/checkpoints/step-NNNNNNNNN) or a .pt file"
+        )
     raise UserError(f"checkpoint {path} is neither a step file (.pt) nor a step directory")
 
 

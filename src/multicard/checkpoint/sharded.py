@@ -60,7 +60,9 @@ class Sharded:
         return folder / f"{PREFIX}{step:09d}"
 
     def owns(self, path: Path) -> bool:
-        return path.is_dir()
+        """A step directory: written by this format, or named like one (an unfinished one too)."""
+        named = path.name.startswith((PREFIX, f".{PREFIX}"))
+        return path.is_dir() and (named or any((path / m).exists() for m in (".metadata", COMPLETE, TRAIN_STATE)))
 
     def steps(self, folder: Path) -> list[tuple[int, Path]]:
         """(step, path) of the complete step directories in `folder`."""

@@ -24,9 +24,11 @@ from multicard.data.device_transform import DeviceTransform
 from multicard.data.loaders import SampledTrainLoader
 from multicard.data.sampling import ShardedBatchSampler, eval_shard
 from multicard.data.sources import Files, Source
+from multicard.data.transforms import Picture
 from multicard.errors import UserError
 
-Transform = Callable[[torch.Tensor, int, int], torch.Tensor]  # (uint8 image, epoch, index) → image
+# (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image
+Transform = Callable[[Picture, int, int], torch.Tensor]
 
 
 class SourceImages(Dataset):
