@@ -25,6 +25,7 @@ SCHEDULES = ("cosine", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
 DATASETS = ("synthetic", "cifar10", "imagefolder")
 LOADERS = ("auto", "device", "workers")
+DECODERS = ("cpu", "gpu", "auto")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 REPLICATE = ("none", "nodes")
 CHECKPOINT_FORMATS = ("auto", "file", "sharded")
@@ -42,6 +43,9 @@ class DataConfig:
     val_fraction: float = 0.1  # imagefolder without val/: seeded share of train/ held out
     split_seed: int = 0  # seed of that split; apart from `seed` so runs share one validation set
     loader: str = "auto"  # auto | device (decoded once, batches made on the device) | workers
+    # Large images with the workers loader: cpu (workers decode and crop) | gpu (JPEG batches decoded on
+    # CUDA with nvjpeg, crops made there) | auto (gpu where CUDA is in use, else cpu)
+    decode: str = "cpu"
     num_workers: int = -1  # workers loader: processes per rank; -1 = cores per rank, at most 8
     cache_dir: str | None = None  # device loader's decoded-image cache; default ~/.cache/multicard
     image_size: int = 32  # side of training images (generated, decoded or cropped)
@@ -317,6 +321,7 @@ def validate(cfg: Config) -> None:
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
     _choice(cfg.data.name, "data.name", DATASETS)
     _choice(cfg.data.loader, "data.loader", LOADERS)
+    _choice(cfg.data.decode, "data.decode", DECODERS)
     _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
     _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
     _choice(cfg.checkpoint.format, "checkpoint.format", CHECKPOINT_FORMATS)
