@@ -1,4 +1,4 @@
-"""Command line: `multicard train`, `eval`, `export`, `bench`, `verify`. A thin layer over commands and launch.
+"""Command line: `multicard train`, `eval`, `export`, `report`, `bench`, `verify`: thin, over commands and launch.
 
 Launch examples (all train the same job):
     multicard train --config configs/demo.yaml                       # one process
@@ -82,6 +82,10 @@ def build_parser() -> _Parser:
     x = _command(sub, "export", "write a checkpoint's model as a plain state dict file", None, "")
     x.add_argument("--checkpoint", required=True, help="checkpoint file or sharded checkpoint directory")
     x.add_argument("--out", required=True, help="the state dict file to write, e.g. model.pt")
+
+    r = _command(sub, "report", "pictures and a summary of runs, from their metrics.jsonl", None, "")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of each run (several are overlaid)")
+    r.add_argument("--out", default="report.png", help="the PNG to write (default report.png)")
 
     b = _command(
         sub, "bench", "throughput of each runner, strategy, world size and precision side by side",
@@ -192,6 +196,7 @@ def _train(args: argparse.Namespace) -> int:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
     if topology.strategy == "fsdp":
         check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
+    commands.check_extras(cfg)
     out_dir = commands.prepare_out_dir(cfg.out_dir)
     check_resume_settings(out_dir / "checkpoints", cfg.train.resume, to_dict(cfg))
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
@@ -224,6 +229,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)  # --help, --version, or an unknown command: argparse says so
 
 
+def _report(args: argparse.Namespace) -> int:
+    from multicard.report import report  # matplotlib: loaded only for this command
+
+    report(args.runs, args.out)
+    return ExitCode.OK
+
+
 def _export(args: argparse.Namespace) -> int:
     commands.export(args.checkpoint, args.out)
     return ExitCode.OK
@@ -233,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     die_with_launcher(detect_env())
     try:
-        commands_by_name = {"train": _train, "eval": _eval, "export": _export, "bench": _bench, "verify": _verify}
+        commands_by_name = {
+            "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
+        }  # fmt: skip
         return commands_by_name[args.command](args)
     except Stopped as exc:
         if detect_env().rank == 0:  # every rank stopped alike; one line is enough

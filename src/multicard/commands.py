@@ -17,9 +17,9 @@ from multicard.errors import UserError
 from multicard.process_group import ProcessEnv, teardown
 from multicard.run_lock import RunLock
 from multicard.session import open_session, seeded_model, start_process
-from multicard.telemetry import Reporter, TrainingLog
+from multicard.telemetry import Reporter, TensorBoardLog, TrainingLog, tensorboard_writer
 from multicard.topology import Topology, resolve
-from multicard.trainer import EvalResult, evaluate
+from multicard.trainer import Callback, EvalResult, evaluate
 
 
 def prepare_out_dir(path: str) -> Path:
@@ -33,8 +33,15 @@ def prepare_out_dir(path: str) -> Path:
     return out
 
 
+def check_extras(cfg: Config) -> None:
+    """Optional packages the config asks for are installed (one line naming the extra if not)."""
+    if cfg.log.tensorboard:
+        tensorboard_writer()
+
+
 def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:
     """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
+    check_extras(cfg)
     out_dir = prepare_out_dir(cfg.out_dir)
     with RunLock(out_dir) as lock:
         if env.launcher_pid is None and env.rank == 0:  # else multicard's launcher holds it
@@ -74,7 +81,11 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
                 )
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None
-            result = trainer.fit([checkpointer, TrainingLog(reporter)])
+            callbacks: list[Callback] = [checkpointer, TrainingLog(reporter, cfg.data)]
+            if cfg.log.tensorboard:
+                resumed_at = state["step"] if state is not None else None
+                callbacks.append(TensorBoardLog(out_dir / "tensorboard", s.ctx.is_main, resumed_at))
+            result = trainer.fit(callbacks)
             if result is not None:
                 reporter.print(
                     f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "

@@ -149,6 +149,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    # Seconds without progress on any rank before a stall is reported (stacks of every rank in
+    # out_dir/stall/); auto: the larger of 120 s and 20 × the median step, from the first step on; 0: off
+    stall_s: Any = "auto"
+    on_stall: str = "report"  # report: say it and keep waiting | abort: end the job (exit 5)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    tensorboard: bool = False  # scalars in out_dir/tensorboard (rank 0; pip install 'multicard[tensorboard]')
+
+
+@dataclass(frozen=True)
 class NetConfig:
     # Interface(s) for gloo/NCCL traffic between nodes, e.g. eth1 or ib0 (exact names, comma-separated
     # for several): sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless they are exported already
@@ -180,6 +193,8 @@ class Config:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 def _one_line(exc: OmegaConfBaseException) -> str:
@@ -322,6 +337,8 @@ def validate(cfg: Config) -> None:
     _choice(cfg.data.name, "data.name", DATASETS)
     _choice(cfg.data.loader, "data.loader", LOADERS)
     _choice(cfg.data.decode, "data.decode", DECODERS)
+    _choice(cfg.debug.on_stall, "debug.on_stall", ("report", "abort"))
+    stall_seconds(cfg.debug)
     _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
     _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
     _choice(cfg.checkpoint.format, "checkpoint.format", CHECKPOINT_FORMATS)
@@ -377,6 +394,15 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
             f"train.grad_accum={cfg.train.grad_accum}; change one of them"
         )
+
+
+def stall_seconds(debug: DebugConfig) -> float | None:
+    """debug.stall_s as seconds; None for auto (decided from step times), 0 for off."""
+    if debug.stall_s == "auto":
+        return None
+    if isinstance(debug.stall_s, bool) or not isinstance(debug.stall_s, (int, float)) or debug.stall_s < 0:
+        raise UserError(f"debug.stall_s={debug.stall_s} must be auto, 0 (off) or a number of seconds")
+    return float(debug.stall_s)
 
 
 def parse_devices(devices: Any) -> list[int] | None:

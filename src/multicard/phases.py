@@ -19,8 +19,8 @@ import torch
 
 DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER = "data", "forward", "backward", "communication", "optimizer"
 PHASES = (DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER)
-# Outside the step: a rank stuck here is named with these words by the stall report.
-IDLE, EVALUATION, CHECKPOINT = "idle", "evaluation", "checkpoint"
+# Outside the step (the stall report names a rank stuck in one of these too).
+IDLE, EVALUATION, CHECKPOINT, REDUCING = "idle", "evaluation", "checkpoint", "reducing"
 
 
 @dataclass
@@ -49,6 +49,7 @@ class PhaseClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.phase = IDLE
+        self.ticks = 0  # progress: phase changes and evaluation batches (read by the stall watchdog)
         self._marks: list[tuple[str, Any]] = []
 
     def _now(self) -> Any:
@@ -60,11 +61,17 @@ class PhaseClock:
 
     def enter(self, phase: str) -> None:
         self.phase = phase
+        self.ticks += 1
         self._marks.append((phase, self._now()))
 
     def set_phase(self, phase: str) -> None:
         """Name what the process is doing outside a step (no timing)."""
         self.phase = phase
+        self.ticks += 1
+
+    def tick(self) -> None:
+        """Progress within a long phase (an evaluation batch)."""
+        self.ticks += 1
 
     def end_step(self) -> StepTimes:
         self._marks.append(("end", self._now()))

@@ -15,8 +15,10 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,8 @@ class ProcessContext:
     local_world_size: int
     device: torch.device
     distributed: bool  # a process group is up (ddp), even if world_size == 1
+    # The job's key-value store (the rendezvous'), for heartbeats; a local one in one process.
+    store: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -273,9 +277,19 @@ def wait_for_master(addr: str, port: int, timeout_s: float, hint: str) -> None:
 
 
 def setup(
-    env: ProcessEnv, gpus: list[int], distributed: bool, threads: int, timeout_s: int, socket_ifname: str | None = None
+    env: ProcessEnv,
+    gpus: list[int],
+    distributed: bool,
+    threads: int,
+    timeout_s: int,
+    socket_ifname: str | None = None,
+    trace_dir: Path | None = None,
 ) -> ProcessContext:
-    """Pick this process's device, set thread count, and start the process group if asked."""
+    """Pick this process's device, set thread count, and start the process group if asked.
+
+    On CUDA with `trace_dir`, NCCL's flight recorder keeps the last collectives of each rank and
+    dumps them there when a collective times out (torch's TORCH_NCCL_* variables; set ones win).
+    """
     if gpus:
         # topology.plan has made sure there is a GPU for every local rank.
         gpu = gpus[env.local_rank] if distributed else gpus[0]
@@ -284,9 +298,15 @@ def setup(
     else:
         device = torch.device("cpu")
     torch.set_num_threads(threads_per_process(threads, env.local_world_size if distributed else 1))
+    store = None
     if distributed and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         select_interface(socket_ifname)
+        if device.type == "cuda" and trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl-trace-rank-"))
         if env.source == "slurm" and env.rank != 0:
             hint = (
                 "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls, "
@@ -299,9 +319,10 @@ def setup(
         store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
         # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted
         # rank from reading a dead peer's address left by the previous attempt.
+        store = dist.PrefixStore(f"multicard/attempt-{env.restart}", store)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            store=dist.PrefixStore(f"multicard/attempt-{env.restart}", store),
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
@@ -314,6 +335,7 @@ def setup(
         local_world_size=env.local_world_size if distributed else 1,
         device=device,
         distributed=distributed,
+        store=store if distributed else dist.HashStore(),
     )
 
 

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ import torch
 from multicard.checkpoint import RunFacts
 from multicard.checkpoint.weights import load_weights
 from multicard.compilation import set_cudnn_benchmark
-from multicard.config import Config, ModelConfig, TrainConfig, to_dict
+from multicard.config import Config, ModelConfig, TrainConfig, stall_seconds, to_dict
 from multicard.data import Data, build_data
 from multicard.data.sampling import BatchPlan
 from multicard.errors import MulticardError, Stopped
@@ -29,6 +31,7 @@ from multicard.stopping import GracefulStop
 from multicard.strategy import ModelSetup, Strategy, make_strategy
 from multicard.topology import Topology, resolve
 from multicard.trainer import Schedule, Trainer
+from multicard.watchdog import Watchdog
 
 
 def run_length(train: TrainConfig, steps_per_epoch: int) -> int:
@@ -54,12 +57,37 @@ def seed_process(seed: int) -> None:
 
 def start_process(cfg: Config, env: ProcessEnv, topology: Topology) -> tuple[ProcessContext, Strategy]:
     """Join the process group (if the strategy needs one), pick the device, build the strategy."""
-    ctx = setup(env, topology.gpus, topology.distributed, cfg.threads, cfg.dist_timeout_s, cfg.net.socket_ifname)
+    trace = stall_folder(cfg) if stall_seconds(cfg.debug) != 0 else None
+    ctx = setup(
+        env, topology.gpus, topology.distributed, cfg.threads, cfg.dist_timeout_s, cfg.net.socket_ifname, trace
+    )
     set_cudnn_benchmark(cfg.cudnn_benchmark)
     model_setup = ModelSetup(cfg.model.channels_last, cfg.compile_mode if cfg.compile else None)
     precision = Precision(cfg.precision, ctx.device.type)
     strategy = make_strategy(topology, ctx, precision, model_setup, cfg)
     return ctx, strategy
+
+
+def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: ExitStack) -> None:
+    """Heartbeats and stall reports (debug.stall_s; 0 turns them off), for as long as the session lasts."""
+    stall_s = stall_seconds(cfg.debug)
+    if stall_s == 0 or ctx.store is None:
+        return
+    watchdog = Watchdog(
+        ctx.store,
+        ctx.rank,
+        ctx.world_size,
+        lambda: (trainer.clock.ticks, trainer.position.global_step, trainer.phase),
+        stall_folder(cfg),
+        stall_s,
+        abort=cfg.debug.on_stall == "abort",
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    stack.callback(watchdog.start().close)
+
+
+def stall_folder(cfg: Config) -> Path:
+    return Path(cfg.out_dir) / "stall"
 
 
 @dataclass
@@ -106,6 +134,7 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
             )
             scheduler = build_scheduler(optimizer, cfg.sched, schedule.total_steps, steps_per_epoch)
             trainer = Trainer(strategy, model, optimizer, scheduler, data.train, data.val, schedule, stop)
+            watch_for_stalls(cfg, ctx, trainer, stack)
             run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size)
             yield Session(cfg, ctx, strategy, plan, data, trainer, run, notes)
     except MulticardError as exc:

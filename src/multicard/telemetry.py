@@ -1,14 +1,17 @@
-"""Rank-0 side effects: console, progress bar and metrics.jsonl.
+"""Rank-0 side effects: console, progress bar, metrics.jsonl and TensorBoard.
 
 `Reporter` does its work on the main rank and nothing elsewhere, so nothing else checks ranks
-for output. `TrainingLog` is the trainer callback that reports a run through it. Errors are not
-routed here: every rank prints its own (see cli.main).
+for output. `TrainingLog` is the trainer callback that reports a run through it (with the
+straggler and data-bound notes), `TensorBoardLog` the one that writes TensorBoard's scalars.
+Errors are not routed here: every rank prints its own (see cli.main).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from rich.progress import (
 )
 
 from multicard.atomic import write_text_atomic
+from multicard.config import DataConfig
 from multicard.errors import UserError
 from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
 
@@ -137,6 +141,72 @@ def duration(seconds: float) -> str:
     return f"{s} s"
 
 
+class Stragglers:
+    """A rank that waits for its data, or is busy (not waiting for the others), ≥ RATIO × the
+    median rank over WINDOW step records is named once: under DDP every rank's step takes as long
+    as the slowest one's, and the others' wait for it can hide anywhere in theirs (a BatchNorm
+    buffer broadcast makes them wait inside forward)."""
+
+    RATIO, WINDOW = 1.2, 3
+    SIGNIFICANT = 0.05  # a data wait below this share of the step is no one's bottleneck
+
+    def __init__(self) -> None:
+        self.window: deque[list[dict[str, float]]] = deque(maxlen=self.WINDOW)
+        self.named: set[int] = set()
+
+    def update(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """New stragglers after this record, as records for metrics.jsonl."""
+        ranks = record.get("ranks")
+        if not ranks:
+            return []
+        self.window.append(ranks)
+        if len(self.window) < self.WINDOW:
+            return []
+        def mean(key: str) -> list[float]:
+            return [statistics.mean(w[r][key] for w in self.window) for r in range(len(ranks))]
+
+        busy, data, step = mean("busy_ms"), mean("data_ms"), mean("step_ms")
+        median_busy, median_data = statistics.median(busy), statistics.median(data)
+        found = []
+        for rank in range(len(ranks)):
+            slow_data = data[rank] >= self.RATIO * median_data and data[rank] >= self.SIGNIFICANT * step[rank]
+            slow_work = median_busy > 0 and busy[rank] >= self.RATIO * median_busy
+            if rank not in self.named and (slow_data or slow_work):
+                self.named.add(rank)
+                found.append({"step": record["step"], "rank": rank, "busy_ms": round(busy[rank], 1),
+                              "median_busy_ms": round(median_busy, 1), "data_ms": round(data[rank], 1),
+                              "median_data_ms": round(median_data, 1)})  # fmt: skip
+        return found
+
+
+class DataBound:
+    """Says once when waiting for data takes more than SHARE of the step on some rank, over WINDOW
+    step records: the input pipeline, not the model, sets the pace."""
+
+    SHARE, WINDOW = 0.10, 3
+
+    def __init__(self, data: DataConfig) -> None:
+        self.data = data
+        self.window: deque[tuple[float, int]] = deque(maxlen=self.WINDOW)  # (worst share, its rank)
+        self.said = False
+
+    def update(self, record: dict[str, Any]) -> str | None:
+        ranks = record.get("ranks") or [{"step_ms": record.get("step_ms", 0.0), "data_ms": record.get("data_ms", 0.0)}]
+        shares = [r["data_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks]
+        worst = max(range(len(shares)), key=shares.__getitem__)
+        self.window.append((shares[worst], worst))
+        if self.said or len(self.window) < self.WINDOW or min(share for share, _ in self.window) <= self.SHARE:
+            return None
+        self.said = True
+        share = statistics.mean(share for share, _ in self.window)
+        d = self.data
+        return (
+            f"the input pipeline holds training back: waiting for data takes {share:.0%} of each step "
+            f"(rank {worst}, up to step {record['step']}); try more loader processes (data.num_workers, now "
+            f"{d.num_workers}), data.decode=gpu for JPEGs on CUDA, or data.loader=device for images of up to 64 px"
+        )
+
+
 class TrainingLog(Callback):
     """Reports a run: a progress bar with ETA, a line per epoch, step and epoch records in
     metrics.jsonl, and early on one line saying how long the run will take."""
@@ -144,11 +214,13 @@ class TrainingLog(Callback):
     ESTIMATE_AFTER_S = 10.0  # time the first steps this long (or ESTIMATE_AFTER_STEPS) before estimating
     ESTIMATE_AFTER_STEPS = 20
 
-    def __init__(self, reporter: Reporter) -> None:
+    def __init__(self, reporter: Reporter, data: DataConfig) -> None:
         self.reporter = reporter
         self.status = ""
         self._first: tuple[int, float] | None = None  # (step, time) after the first step, which warms up
         self._estimated = False
+        self.stragglers = Stragglers()
+        self.data_bound = DataBound(data)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         self.reporter.start_progress(trainer.schedule.total_steps, done=trainer.position.global_step)
@@ -173,6 +245,18 @@ class TrainingLog(Callback):
     def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self.reporter.record("step", **record)
         self.status = f"loss {record['loss']:.4f}"
+        if record["step"] > trainer.schedule.log_every:  # the first window holds the warm-up
+            for found in self.stragglers.update(record):
+                self.reporter.record("straggler", **found)
+                self.reporter.print(
+                    f"straggler: rank {found['rank']} waits {found['data_ms']:.0f} ms per step for data (median rank "
+                    f"{found['median_data_ms']:.0f} ms) and is busy {found['busy_ms']:.0f} ms (median "
+                    f"{found['median_busy_ms']:.0f} ms); the other ranks wait for it in every step"
+                )
+            note = self.data_bound.update(record)
+            if note is not None:
+                self.reporter.record("data_bound", step=record["step"], message=note)
+                self.reporter.print(note)
         if record.get("fp16_skipped"):
             skipped = record["fp16_skipped"]
             self.reporter.print(f"step {record['step']}: fp16 scaler skipped {skipped} NaN/inf micro-step(s)")
@@ -191,3 +275,62 @@ class TrainingLog(Callback):
 
     def on_fit_end(self, trainer: Trainer) -> None:
         self.reporter.stop_progress()
+
+
+class TensorBoardLog(Callback):
+    """Scalars for TensorBoard in `folder`, written by rank 0: train loss/top-1, lr, img/s, the
+    step-time split and each rank's step time at log steps; validation and peak memory at epoch
+    ends. A resumed run purges what a crashed one wrote after its checkpoint, so each curve
+    continues without duplicate steps."""
+
+    def __init__(self, folder: Path, is_main: bool, resumed_at: int | None) -> None:
+        self.writer = None
+        if not is_main:
+            return
+        summary_writer = tensorboard_writer()
+        self.writer = summary_writer(str(folder), purge_step=resumed_at + 1 if resumed_at is not None else None)
+
+    def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                if value is not None:
+                    self.writer.add_scalar(tag, value, step)
+
+    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        step = record["step"]
+        self._scalars(step, {
+            "train/loss": record["loss"], "train/top1": record["top1"], "train/lr": record["lr"],
+            "train/img_per_s": record["img_per_s"], "time/data_ms": record.get("data_ms"),
+            "time/compute_ms": record.get("compute_ms"), "time/comm_exposed_ms": record.get("comm_exposed_ms"),
+            "time/optimizer_ms": record.get("optimizer_ms"), "time/step_ms": record.get("step_ms"),
+        })  # fmt: skip
+        for rank, r in enumerate(record.get("ranks", [])):
+            self._scalars(step, {f"rank_step_ms/rank_{rank}": r["step_ms"]})
+
+    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
+        values: dict[str, float | None] = {
+            "train/epoch_loss": record["train_loss"],
+            "train/epoch_top1": record["train_top1"],
+        }
+        if val is not None:
+            values.update({"val/loss": val.loss, "val/top1": val.top1, "val/top5": val.top5})
+        values.update({f"memory/peak_mb/device_{i}": mb for i, mb in enumerate(record["peak_mem_mb"])})
+        self._scalars(record["step"], values)
+        if self.writer is not None:
+            self.writer.flush()
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def tensorboard_writer() -> Any:
+    """torch's SummaryWriter, or a one-line error naming the extra that provides TensorBoard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError(
+            "log.tensorboard=true needs TensorBoard: pip install 'multicard[tensorboard]' "
+            "(or set log.tensorboard=false)"
+        ) from None
+    return SummaryWriter

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import resource
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,6 +36,7 @@ from multicard.phases import (
     FORWARD,
     IDLE,
     OPTIMIZER,
+    REDUCING,
     PhaseClock,
     StepTimes,
     split,
@@ -72,9 +73,11 @@ def prepare_input(x: torch.Tensor, precision: Precision, channels_last: bool) ->
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], strategy: Strategy) -> EvalResult:
+def evaluate(
+    model: nn.Module, batches: Iterable[Batch], strategy: Strategy, progress: Callable[[], None] = lambda: None
+) -> EvalResult:
     """Exact metrics: each rank sums (loss, correct@1, correct@5, count) over its own share,
-    then the sums are reduced. No sample is padded or counted twice."""
+    then the sums are reduced. No sample is padded or counted twice. `progress` is told of each batch."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=strategy.ctx.device)
@@ -89,6 +92,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], strategy: Strategy) -> 
         totals[1] += hits[:, 0].sum()
         totals[2] += hits.any(dim=1).sum()
         totals[3] += y.numel()
+        progress()
     strategy.all_reduce_sum(totals)
     loss_sum, c1, c5, n = totals.tolist()
     model.train(was_training)
@@ -354,7 +358,7 @@ class Trainer:
             pos.step_in_epoch += 1
             times = self.clock.end_step()
             self._step_times.append(times)
-            signum = self.stop.poll() if self.stop is not None else 0
+            signum = self._poll_stop()
             last = pos.step_in_epoch == steps
             if pos.global_step % self.schedule.log_every == 0 or last or signum:
                 record = self._log_record()
@@ -403,10 +407,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
+    def _poll_stop(self) -> int:
+        if self.stop is None:
+            return 0
+        self.clock.set_phase(REDUCING)
+        signum = self.stop.poll()
+        self.clock.set_phase(IDLE)
+        return signum
+
     def _reduce_window(self) -> None:
         """Sum the unreduced statistics over ranks (one host sync); a NaN/inf loss on any rank
         stops every rank, except under the fp16 scaler, which skips those steps."""
+        phase = self.clock.phase
+        self.clock.set_phase(REDUCING)
         reduced = self.strategy.all_reduce_sum(self._window.clone())
+        self.clock.set_phase(phase)
         self._window.zero_()
         loss_sum, correct, count, nonfinite = reduced.tolist()
         if nonfinite and not self.scaler.is_enabled():
@@ -420,11 +435,22 @@ class Trainer:
         self._since_log = [a + b for a, b in zip(self._since_log, (loss_sum, correct, count), strict=True)]
 
     def _log_record(self) -> dict[str, Any]:
+        """A step record: reduced loss and accuracy, lr, img/s, this rank's step-time split, and
+        every rank's step, busy and data times (busy: not waiting for the others)."""
         self._reduce_window()
         loss_sum, correct, count = self._since_log
         elapsed = time.perf_counter() - self._log_started
         seconds = [t.seconds() for t in self._step_times]
         mean = {k: sum(s[k] for s in seconds) / len(seconds) for k in seconds[0]} if seconds else {}
+        parts = split(mean) if mean else {}
+        if self._gradients is None and self.strategy.ctx.world_size > 1:
+            parts.pop("comm_exposed_ms", None)  # fsdp's gathers and scatters run inside forward and backward
+        step_ms = 1000 * sum(mean.values()) if mean else 0.0
+        mine = {
+            "step_ms": round(step_ms, 3),
+            "busy_ms": round(step_ms - 1000 * mean.get(COMMUNICATION, 0.0), 3),
+            "data_ms": round(1000 * mean.get(DATA, 0.0), 3),
+        }
         record = {
             "epoch": self.position.epoch,
             "step": self.position.global_step,
@@ -432,8 +458,13 @@ class Trainer:
             "top1": 100 * correct / count if count else 0.0,
             "lr": self.optimizer.param_groups[0]["lr"],
             "img_per_s": count / elapsed if elapsed > 0 else 0.0,
-            **({k: round(v, 3) for k, v in split(mean).items()} if mean else {}),
+            **{k: round(v, 3) for k, v in parts.items()},
+            "step_ms": mine["step_ms"],
         }
+        if self.strategy.ctx.world_size > 1:
+            self.clock.set_phase(REDUCING)
+            record["ranks"] = self.strategy.all_gather_object(mine)
+            self.clock.set_phase(IDLE)
         if self._skipped:
             record["fp16_skipped"] = self._skipped
         self._since_log = [0.0, 0.0, 0.0]
@@ -447,7 +478,9 @@ class Trainer:
         epoch = pos.epoch
         started, samples_before, trained_until = self._epoch_clock
         self.set_phase(EVALUATION)
-        val = evaluate(self.bare, self.val_loader, self.strategy) if validate and self.val_loader else None
+        val = None
+        if validate and self.val_loader is not None:
+            val = evaluate(self.bare, self.val_loader, self.strategy, self.clock.tick)
         self.set_phase(IDLE)
         per_rank = self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices))
         loss_sum, correct, count = pos.epoch_totals

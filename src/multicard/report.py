@@ -1,0 +1,122 @@
+"""`multicard report RUN_DIR [RUN_DIR ...]`: pictures and a summary of runs, from metrics.jsonl.
+
+One figure overlays every run: loss and top-1 (training per log step, validation per epoch),
+learning rate, img/s, and each rank's step time. The summary gives per run its best and final
+validation top-1, training time and throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from multicard.errors import UserError
+
+
+@dataclass
+class Run:
+    name: str
+    steps: list[dict[str, Any]] = field(default_factory=list)  # "step" records
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # "epoch" records
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load_run(run_dir: Path) -> Run:
+    """A run's records; lines a crash cut short are skipped."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{run_dir} holds no metrics.jsonl; give the out_dir of a multicard run")
+    run = Run(run_dir.name if run_dir.name not in ("", ".") else str(run_dir))
+    kinds = {"step": run.steps, "epoch": run.epochs, "straggler": run.stragglers}
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        kinds.get(record.get("kind"), []).append(record)
+    if not run.steps and not run.epochs:
+        raise UserError(f"{metrics} holds no step or epoch records yet; report a run that has trained")
+    return run
+
+
+def summary(run: Run) -> str:
+    """'name: best val top-1 93.10% (epoch 9), final 93.10%; 640 steps in 31.2 s at 2115 img/s'."""
+    parts = [f"{run.name}:"]
+    vals = [e for e in run.epochs if e.get("val_top1") is not None]
+    if vals:
+        best = max(vals, key=lambda e: e["val_top1"])
+        final = vals[-1]["val_top1"]
+        parts.append(f"best val top-1 {best['val_top1']:.2f}% (epoch {best['epoch']}), final {final:.2f}%;")
+    last_step = max((r["step"] for r in run.steps + run.epochs), default=0)
+    seconds = sum(e.get("epoch_s", 0.0) for e in run.epochs)
+    rates = [r["img_per_s"] for r in run.steps if r.get("img_per_s")]
+    parts.append(f"{last_step} steps")
+    if seconds:
+        parts.append(f"in {seconds:.1f} s")
+    if rates:
+        parts.append(f"at {statistics.median(rates):.0f} img/s (median)")
+    if run.stragglers:
+        named = ", ".join(f"rank {s['rank']}" for s in run.stragglers)
+        parts.append(f"; stragglers: {named}")
+    return " ".join(parts)
+
+
+def figure(runs: list[Run]) -> Any:
+    """The matplotlib figure of the runs (each run one colour; validation dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    loss, top1, lr, speed, rank_time, unused = axes.flat
+    unused.axis("off")
+    for i, run in enumerate(runs):
+        colour = f"C{i % 10}"
+        steps = [r["step"] for r in run.steps]
+        loss.plot(steps, [r["loss"] for r in run.steps], color=colour, label=f"{run.name} train")
+        top1.plot(steps, [r["top1"] for r in run.steps], color=colour, label=f"{run.name} train")
+        lr.plot(steps, [r["lr"] for r in run.steps], color=colour, label=run.name)
+        speed.plot(steps, [r["img_per_s"] for r in run.steps], color=colour, label=run.name)
+        vals = [e for e in run.epochs if e.get("val_loss") is not None]
+        if vals:
+            at = [e["step"] for e in vals]
+            style = {"color": colour, "linestyle": "--", "marker": "o", "label": f"{run.name} val"}
+            loss.plot(at, [e["val_loss"] for e in vals], **style)
+            top1.plot(at, [e["val_top1"] for e in vals], **style)
+        ranked = [(r["step"], r.get("ranks") or [{"step_ms": r["step_ms"]}]) for r in run.steps if "step_ms" in r]
+        for rank in range(len(ranked[0][1]) if ranked else 0):
+            times = [ranks[rank]["step_ms"] for _, ranks in ranked]
+            rank_time.plot([step for step, _ in ranked], times, color=colour, alpha=0.4 + 0.6 / (rank + 1),
+                           label=f"{run.name} rank {rank}")  # fmt: skip
+        for s in run.stragglers:
+            rank_time.axvline(s["step"], color=colour, linestyle=":", linewidth=1)
+    for ax, title, ylabel in (
+        (loss, "Loss", "cross-entropy"),
+        (top1, "Top-1", "%"),
+        (lr, "Learning rate", "lr"),
+        (speed, "Throughput", "images / s"),
+        (rank_time, "Step time per rank", "ms"),
+    ):
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def report(run_dirs: list[str], out: str) -> Any:
+    """Print each run's summary, write the figure to `out`; the figure."""
+    runs = [load_run(Path(d)) for d in run_dirs]
+    for run in runs:
+        print(summary(run))
+    fig = figure(runs)
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=110)
+    print(f"wrote {target}")
+    return fig

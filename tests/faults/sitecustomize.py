@@ -1,0 +1,56 @@
+"""Faults injected into one rank of a real multicard job, for the stall and straggler tests.
+
+Python imports `sitecustomize` at start-up from the path: tests put this folder on PYTHONPATH
+and choose a fault with MULTICARD_FAULT (on rank MULTICARD_FAULT_RANK, from optimizer step
+MULTICARD_FAULT_STEP). multicard itself has no hook for this: the fault is patched in here.
+
+- data: the rank's data loader blocks for good;
+- skip: the rank skips the metrics all-reduce the others enter, and then blocks elsewhere;
+- slow-data: the rank's data loader takes MULTICARD_FAULT_MS longer per batch (a straggler).
+When a blocking fault fires, the file MULTICARD_FAULT_MARK is written (the test's clock starts).
+"""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+FAULT = os.environ.get("MULTICARD_FAULT")
+ON_THIS_RANK = os.environ.get("RANK") == os.environ.get("MULTICARD_FAULT_RANK", "1")
+
+
+def _block() -> None:
+    Path(os.environ["MULTICARD_FAULT_MARK"]).write_text(str(time.time()))
+    threading.Event().wait()
+
+
+def _install() -> None:
+    from multicard.data.device import DeviceTrainLoader
+    from multicard.trainer import Trainer
+
+    after = int(os.environ.get("MULTICARD_FAULT_STEP", "5"))
+    if FAULT in ("data", "slow-data"):
+        original = DeviceTrainLoader.__iter__
+        delay = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000
+
+        def batches(self):
+            for i, batch in enumerate(original(self)):
+                if FAULT == "data" and self.sampler.epoch * 10_000 + i >= after:
+                    _block()
+                time.sleep(delay)
+                yield batch
+
+        DeviceTrainLoader.__iter__ = batches
+    elif FAULT == "skip":
+        original_reduce = Trainer._reduce_window
+
+        def reduce_window(self):
+            if self.position.global_step >= after:
+                _block()  # never enters the all-reduce the other ranks wait in
+            return original_reduce(self)
+
+        Trainer._reduce_window = reduce_window
+
+
+if FAULT and ON_THIS_RANK and "RANK" in os.environ:
+    _install()
