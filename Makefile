@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[dev,jpeg,tensorboard]'
+	$(PIP) -e '.[dev,jpeg,tensorboard,timm]'
 	@touch $@
 
 install: $(VENV)/.installed

@@ -74,11 +74,12 @@ step() {
 step cuda_tests 130 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests
 step matrix 240 "$PY" scripts/gpu_check/matrix.py --out "$OUT/matrix" --budget-s 190
 step throughput 100 "$PY" scripts/gpu_check/throughput.py --out "$OUT/throughput" --timeout-s 90
+step gpu_decode 90 "$PY" scripts/gpu_check/gpu_decode.py --out "$OUT/gpu_decode" --seconds 15
 
 {
     echo "{"
     sep=""
-    for name in cuda_tests matrix throughput; do
+    for name in cuda_tests matrix throughput gpu_decode; do
         printf '%s "%s": {"rc": %d, "seconds": %d}' "$sep" "$name" "${RC[$name]}" "${SECONDS_TAKEN[$name]}"
         sep=$',\n'
     done

@@ -1,7 +1,8 @@
-"""Model registry: torchvision names, CIFAR variants, a small CNN, and `package.module:function`."""
+"""Model registry: torchvision names, CIFAR variants, a small CNN, `timm:NAME`, and `package.module:function`."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import warnings
 from collections.abc import Callable
@@ -96,6 +97,36 @@ BUILTIN: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+TIMM_PREFIX = "timm:"
+
+
+def _timm_factory(name: str) -> Callable[..., nn.Module]:
+    """`timm:NAME` → timm.create_model(NAME, pretrained=False, num_classes=K, **model.kwargs).
+
+    Never a download: pretrained is always False (initial weights come from a local file through
+    model.weights=PATH), so a run behaves the same on a machine without internet.
+    """
+    arch = name.removeprefix(TIMM_PREFIX)
+    try:
+        import timm
+    except ImportError:
+        raise UserError(f"model.name={name} needs timm, an optional extra: pip install 'multicard[timm]'") from None
+    if not timm.is_model(arch):
+        close = difflib.get_close_matches(arch, timm.list_models(), n=3)
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise UserError(f"model.name={name}: timm {timm.__version__} has no model {arch}{hint}")
+
+    def factory(num_classes: int, **kw: Any) -> nn.Module:
+        if "pretrained" in kw:
+            raise UserError(
+                "model.kwargs.pretrained: multicard never downloads weights; "
+                "give a local state dict file with model.weights=PATH"
+            )
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes, **kw)
+
+    return factory
+
+
 def _import_factory(spec: str) -> Callable[..., nn.Module]:
     module_name, _, func_name = spec.partition(":")
     try:
@@ -111,7 +142,9 @@ def _import_factory(spec: str) -> Callable[..., nn.Module]:
 def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = None) -> nn.Module:
     """Build an untrained classifier with `num_classes` outputs."""
     kwargs = dict(kwargs or {})
-    if ":" in name:
+    if name.startswith(TIMM_PREFIX):
+        factory = _timm_factory(name)
+    elif ":" in name:
         factory = _import_factory(name)
     elif name in BUILTIN:
         factory = BUILTIN[name]
@@ -121,7 +154,7 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
     else:
         raise UserError(
             f"model.name={name} is unknown: use a torchvision classification model (e.g. resnet18), "
-            f"{', '.join(BUILTIN)}, or package.module:function"
+            f"{', '.join(BUILTIN)}, timm:NAME, or package.module:function"
         )
     try:
         with warnings.catch_warnings():

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from multicard.config import Config, DDPConfig, parse_devices
+from multicard.data.decode_choice import check_decode
 from multicard.data.sampling import BatchPlan
 from multicard.errors import UserError
 from multicard.process_group import resolve_gpus
@@ -67,6 +68,7 @@ def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool,
     """The strategy and GPUs for `world_size` processes, or a one-line UserError saying what to change."""
     strategy = resolve_strategy(cfg.strategy, launched, world_size)
     gpus = resolve_gpus(parse_devices(cfg.devices))
+    check_decode(cfg.data.decode, cuda=bool(gpus))
     if strategy == "fsdp":
         check_fsdp(cfg, world_size, local_world_size)
     sharded = cfg.checkpoint.format == "sharded" or (cfg.checkpoint.format == "auto" and strategy == "fsdp")

@@ -10,8 +10,11 @@ import torch
 
 from multicard.config import DataConfig
 from multicard.data.decode import decoded, default_cache_dir, fit_square
+from multicard.data.decode_choice import check_decode, choose_decode
 from multicard.data.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
 from multicard.data.device_transform import Augment, DeviceTransform
+from multicard.data.gpu_decode import GpuDecode
+from multicard.data.jpeg_plan import JpegPlan, collate_encoded
 from multicard.data.loaders import EvalLoader, TrainLoader
 from multicard.data.sampling import BatchPlan, ShardedBatchSampler
 from multicard.data.sources import (
@@ -122,6 +125,7 @@ def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessCon
     The device loader decodes image files once per machine: local rank 0 decodes (or reads the
     cache) and fills the cache first, then the other local ranks read it.
     """
+    check_decode(d.decode, ctx.device.type == "cuda")  # before reading anything
     splits = read_splits(d, seed, need_train=plan is not None)
     kind = choose_loader(d, splits, ctx.device, ctx.local_world_size)
     small = is_small(d.image_size)
@@ -153,10 +157,17 @@ def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessCon
         train_tf = eval_tf
     else:
         train_tf = RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=seed)
+    collate = None
+    if choose_decode(d.decode, kind, splits, d.image_size, ctx.device) == "gpu":
+        # Workers read the files and plan the crops; nvjpeg decodes and the GPU crops (data/gpu_decode.py).
+        train_tf, eval_tf = JpegPlan(train_tf), JpegPlan(eval_tf)
+        train_finish = GpuDecode(d.mean, d.std, ctx.device, seed, d.image_size)
+        eval_finish = GpuDecode(d.mean, d.std, ctx.device, seed, d.image_size)
+        collate = collate_encoded
     val = WorkerEvalLoader(
-        splits.val, eval_tf, d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish, workers, seed
+        splits.val, eval_tf, d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish, workers, seed, collate
     )
     train = None
     if sampler is not None:
-        train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, seed, ctx.rank)
+        train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, seed, ctx.rank, collate)
     return Data(train, val, num_classes, classes, kind)

@@ -87,3 +87,8 @@ def centre_region(width: int, height: int, shorter: int, size: int) -> tuple[flo
     left, top = int(round((new_width - size) / 2)), int(round((new_height - size) / 2))
     sx, sy = width / new_width, height / new_height
     return left * sx, top * sy, (left + size) * sx, (top + size) * sy
+
+
+def flips(uniforms: np.ndarray) -> bool:
+    """The horizontal flip of a sample: its last draw (after the crop's) below one half."""
+    return uniforms[-1] < 0.5

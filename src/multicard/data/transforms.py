@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from multicard.data.crops import Box, centre_region, crop_uniforms, random_resized_box, resized_size
+from multicard.data.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
 from multicard.data.decode import fit_square
 from multicard.data.encoded import EncodedImage
 
@@ -115,4 +115,4 @@ class RandomResizedCropFlip:
             out = resample_region(pixels, tuple(v / reduce for v in box.corners), self.size, self.size)
         else:
             out = resample(crop(image, box), self.size, self.size)
-        return out.flip(-1) if self.flip and uniforms[-1] < 0.5 else out
+        return out.flip(-1) if self.flip and flips(uniforms) else out

@@ -13,6 +13,7 @@ import os
 import random
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,8 +28,9 @@ from multicard.data.sources import Files, Source
 from multicard.data.transforms import Picture
 from multicard.errors import UserError
 
-# (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image
-Transform = Callable[[Picture, int, int], torch.Tensor]
+# (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image (or, under
+# data.decode=gpu, a JPEG's bytes with its crop: jpeg_plan.JpegPlan)
+Transform = Callable[[Picture, int, int], Any]
 
 
 class SourceImages(Dataset):
@@ -96,11 +98,14 @@ def _one_line_worker_error(exc: UserError) -> UserError:
     return UserError(last.split("UserError: ", 1)[-1])
 
 
-def _data_loader(dataset: SourceImages, batch_sampler, num_workers: int, device: torch.device, seed: int, rank: int):
+def _data_loader(
+    dataset: SourceImages, batch_sampler, num_workers: int, device: torch.device, seed: int, rank: int, collate=None
+):
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=num_workers,
+        collate_fn=collate,  # None: torch's default; data.decode=gpu: encoded JPEGs (jpeg_plan.collate_encoded)
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
         worker_init_fn=partial(_init_worker, seed, rank) if num_workers > 0 else None,
@@ -135,11 +140,12 @@ class WorkerTrainLoader(SampledTrainLoader):
         num_workers: int,
         seed: int,
         rank: int,
+        collate: Callable | None = None,
     ) -> None:
         super().__init__(sampler)
         self.finish = finish
         dataset = SourceImages(source, transform)
-        self.loader = _data_loader(dataset, _EpochKeys(sampler), num_workers, finish.device, seed, rank)
+        self.loader = _data_loader(dataset, _EpochKeys(sampler), num_workers, finish.device, seed, rank, collate)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, self.sampler.epoch)
@@ -161,10 +167,12 @@ class WorkerEvalLoader:
         finish: DeviceTransform,
         num_workers: int,
         seed: int,
+        collate: Callable | None = None,
     ) -> None:
         self.finish = finish
         keys = _EvalKeys(eval_shard(len(source), rank, world_size), batch_size)
-        self.loader = _data_loader(SourceImages(source, transform), keys, num_workers, finish.device, seed, rank)
+        dataset = SourceImages(source, transform)
+        self.loader = _data_loader(dataset, keys, num_workers, finish.device, seed, rank, collate)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, 0)

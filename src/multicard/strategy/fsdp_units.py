@@ -29,7 +29,13 @@ def family_units(model: nn.Module) -> list[nn.Module] | None:
         return list(model.encoder.layers)
     if isinstance(model, tv.ConvNeXt):  # each stage (a run of CNBlocks)
         return [m for m in model.features if any(isinstance(c, tv.convnext.CNBlock) for c in m.children())]
-    for name in ("blocks", "stages", "layers"):  # timm: ViTs have blocks, ConvNeXt/EfficientNet stages
+    # timm's ResNets (and others of torchvision's layout): layer1..layer4, each a Sequential of
+    # residual blocks; each block is a unit, as for torchvision's ResNet. Matched by layout, since
+    # timm is an optional extra.
+    layers = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
+    if all(isinstance(layer, nn.Sequential) and len(layer) > 0 for layer in layers):
+        return [block for layer in layers for block in layer]
+    for name in ("blocks", "stages", "layers"):  # timm: ViTs have blocks (one per unit), ConvNeXt/EfficientNet stages
         children = getattr(model, name, None)
         if isinstance(children, (nn.Sequential, nn.ModuleList)) and len(children) > 1:
             return list(children)

@@ -1,0 +1,38 @@
+"""Where large JPEGs are decoded: `data.decode` = cpu (loader workers), gpu (nvjpeg), or auto."""
+
+from __future__ import annotations
+
+import torch
+
+from multicard.data.sources import Files, Splits
+from multicard.data.transforms import is_small
+from multicard.errors import UserError
+
+
+def check_decode(decode: str, cuda: bool) -> None:
+    """data.decode=gpu needs a CUDA device; checked before anything is read (and before launch)."""
+    if decode == "gpu" and not cuda:
+        raise UserError(
+            "data.decode=gpu decodes JPEGs on a CUDA GPU (nvjpeg) but this run uses none; "
+            "use data.decode=cpu, or data.decode=auto (gpu where CUDA is in use, else cpu)"
+        )
+
+
+def choose_decode(decode: str, loader: str, splits: Splits, image_size: int, device: torch.device) -> str:
+    """cpu or gpu for this run.
+
+    GPU decoding applies to image files of more than 64 px read by the workers loader; auto takes
+    it there when the device is CUDA, and the CPU everywhere else.
+    """
+    check_decode(decode, device.type == "cuda")
+    files = any(isinstance(source, Files) for source in (splits.train, splits.val))
+    applies = loader == "workers" and not is_small(image_size) and files
+    if decode == "auto":
+        return "gpu" if applies and device.type == "cuda" else "cpu"
+    if decode == "gpu" and not applies:
+        raise UserError(
+            f"data.decode=gpu decodes image files of more than 64 px read by the workers loader; this run has "
+            f"data.image_size={image_size}, data.loader={loader}{'' if files else ', images in memory'}: "
+            f"use data.decode=cpu or auto"
+        )
+    return decode
