@@ -2,7 +2,9 @@
 # The GPU check, in one command (under 8 minutes on one H100/H200-class GPU):
 #   (a) the CUDA-marked tests; (b) every GPU path trained briefly (scripts/gpu_check/matrix.py);
 #   (c) single-GPU throughput and MFU of resnet18_cifar (scripts/gpu_check/throughput.py);
-#   (d) OUT_DIR/summary.json and summary.md, and the table on stdout (scripts/gpu_check/summary.py).
+#   (d) GPU JPEG decode (scripts/gpu_check/gpu_decode.py); (e) `multicard plan`'s memory, step time
+#   and largest micro-batch against real steps here (scripts/gpu_check/plan_check.py);
+#   (f) OUT_DIR/summary.json and summary.md, and the table on stdout (scripts/gpu_check/summary.py).
 #
 #   bash scripts/gpu_check.sh OUT_DIR
 #
@@ -69,17 +71,18 @@ step() {
     SECONDS_TAKEN[$name]=$((SECONDS - start))
 }
 
-# Limits add up to 470 s; expected on one H200: about 6-7 minutes in all. The matrix starts no
+# Limits add up to 590 s; expected on one H200: about 8 minutes in all. The matrix starts no
 # run after its budget and writes its JSON after every run, so a stopped matrix still reports.
 step cuda_tests 130 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests
 step matrix 240 "$PY" scripts/gpu_check/matrix.py --out "$OUT/matrix" --budget-s 190
 step throughput 100 "$PY" scripts/gpu_check/throughput.py --out "$OUT/throughput" --timeout-s 90
 step gpu_decode 90 "$PY" scripts/gpu_check/gpu_decode.py --out "$OUT/gpu_decode" --seconds 15
+step plan_check 120 "$PY" scripts/gpu_check/plan_check.py --out "$OUT/plan_check" --budget-s 100
 
 {
     echo "{"
     sep=""
-    for name in cuda_tests matrix throughput gpu_decode; do
+    for name in cuda_tests matrix throughput gpu_decode plan_check; do
         printf '%s "%s": {"rc": %d, "seconds": %d}' "$sep" "$name" "${RC[$name]}" "${SECONDS_TAKEN[$name]}"
         sep=$',\n'
     done

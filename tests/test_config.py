@@ -30,7 +30,7 @@ def test_cli_overrides_beat_yaml_which_beats_defaults(tmp_path):
         ("nosuch=1", "unknown key 'nosuch'"),
         ("train.nosuch=1", "unknown key 'train.nosuch'"),
         ("train.epochs=abc", "train.epochs"),
-        ("strategy=fsdp", "strategy=fsdp is not one of"),
+        ("strategy=zero", "strategy=zero is not one of"),
         ("precision=fp8", "precision=fp8"),
         ("optim.name=lamb", "optim.name=lamb"),
         ("sched.name=poly", "sched.name=poly"),

@@ -40,10 +40,13 @@ def test_single_process(tmp_path):
 
 @pytest.mark.distributed
 def test_builtin_launcher_two_processes(tmp_path):
-    result = cli("train", "--nproc-per-node", "2", *LEARN, f"out_dir={tmp_path}")
+    scratch = tmp_path / "tmp"  # the launcher's temporary files go here, and must be gone at the end
+    scratch.mkdir()
+    result = cli("train", "--nproc-per-node", "2", *LEARN, f"out_dir={tmp_path / 'run'}", env={"TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stderr
-    _check_run(tmp_path, world_size=2)
+    _check_run(tmp_path / "run", world_size=2)
     assert "strategy=ddp world_size=2" in result.stdout
+    assert not list(scratch.iterdir())
 
 
 @pytest.mark.distributed

@@ -1,7 +1,8 @@
 """Summarise a GPU check directory: summary.json, summary.md (a short table), the table on stdout.
 
 Reads what scripts/gpu_check.sh left in OUT_DIR: cuda_tests.xml (pytest's JUnit report),
-matrix/matrix.json (matrix.py), throughput/throughput.json (throughput.py)
+matrix/matrix.json (matrix.py), throughput/throughput.json (throughput.py),
+gpu_decode/gpu_decode.json (gpu_decode.py), plan_check/plan_check.json (plan_check.py)
 and steps.json (each step's exit code and seconds). Needs only torch and the standard library,
 so it reports even when multicard's own dependencies are missing.
 
@@ -95,6 +96,38 @@ def _cell(run: dict) -> str:
     return f"{run['img_per_s']:,.0f}{ratio}" if run["img_per_s"] else "passed"
 
 
+def _not_passed(result: dict | None, name: str) -> list[str] | None:
+    if result is None:
+        return [f"not run ({name} missing)"]
+    if result.get("status") != "passed":
+        return [f"{result.get('status', '?')}: {result.get('reason', '')}"]
+    return None
+
+
+def _decode_lines(d: dict | None) -> list[str]:
+    if (early := _not_passed(d, "gpu_decode.json")) is not None:
+        return early
+    assert d is not None
+    cpu, gpu = d["cpu"]["img_per_s"], d["gpu"]["img_per_s"]
+    return [f"{d['photos']} photos, batch {d['batch']}, {d['workers']} workers: CPU decode {cpu:,.0f} img/s, "
+            f"GPU decode {gpu:,.0f} img/s ({d['gpu_over_cpu']}×)"]  # fmt: skip
+
+
+def _plan_lines(p: dict | None) -> list[str]:
+    if (early := _not_passed(p, "plan_check.json")) is not None:
+        return early
+    assert p is not None
+    pred, meas = p["predicted"], p["measured"]
+    return [
+        f"tensor memory: planned {pred['tensor_bytes'] / 2**30:.2f} GiB, max_memory_allocated "
+        f"{meas['peak_bytes'] / 2**30:.2f} GiB (ratio {p.get('memory_ratio')})",
+        f"step: planned {pred['step_s'] * 1000:.0f} ms, measured {meas['step_s'] * 1000:.0f} ms "
+        f"(ratio {p.get('time_ratio')})",
+        f"largest micro-batch: planned {pred['largest_micro_batch']}, probed: ran up to {p.get('largest_ran')}, "
+        f"first failure at {p.get('smallest_failed')}",
+    ]
+
+
 def table(summary: dict) -> str:
     env, tests, matrix, tp = summary["environment"], summary["cuda_tests"], summary["matrix"], summary["throughput"]
     gpus = ", ".join(env["gpus"]) or "no CUDA device"
@@ -129,6 +162,10 @@ def table(summary: dict) -> str:
         lines.append(f"{tp['img_per_s']:,.0f} img/s, {tp['step_ms']} ms/step, {tp['gflop_per_image']} GFLOP/image, "
                      f"{tp['achieved_tflops']} TFLOP/s, MFU {mfu}; loader {tp['loader_ms']} ms/batch = "
                      f"{100 * tp['loader_share']:.2f}% of a step; peak memory {tp['peak_mem_mb']} MB")  # fmt: skip
+    lines += ["", "(d) JPEG decode of the ImageNet sample, CPU workers vs GPU (nvjpeg)"]
+    lines += _decode_lines(summary.get("gpu_decode"))
+    lines += ["", "(e) multicard plan vs measured: vit_b_16 224×224 bf16, one GPU"]
+    lines += _plan_lines(summary.get("plan_check"))
     lines += ["", "targets:"]
     for t in summary["targets"]:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
@@ -150,6 +187,8 @@ def main() -> int:
         "cuda_tests": cuda_tests(out / "cuda_tests.xml"),
         "matrix": matrix,
         "throughput": throughput,
+        "gpu_decode": _read_json(out / "gpu_decode" / "gpu_decode.json"),
+        "plan_check": _read_json(out / "plan_check" / "plan_check.json"),
         "targets": targets(matrix, throughput),
     }
     text = table(summary)
@@ -157,7 +196,8 @@ def main() -> int:
     (out / "summary.md").write_text(text + "\n")
     print(text)
     failed = summary["cuda_tests"].get("failed") or any(r["status"] == "failed" for r in (matrix or {}).get("runs", []))
-    return 1 if failed or (throughput or {}).get("status") == "failed" else 0
+    others = (throughput, summary["gpu_decode"], summary["plan_check"])
+    return 1 if failed or any((r or {}).get("status") == "failed" for r in others) else 0
 
 
 if __name__ == "__main__":

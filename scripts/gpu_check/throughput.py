@@ -7,8 +7,8 @@ warm-up (compilation, autotuning), the second is timed.
 
 - FLOPs per image: torch.utils.flop_counter.FlopCounterMode over one forward and backward of
   the same model (matmuls and convolutions, as MFU conventionally counts).
-- MFU: achieved FLOP/s over the GPU's dense bf16 tensor-core peak (PEAK_BF16 below); null,
-  with the reason, on a GPU the table does not know.
+- MFU: achieved FLOP/s over the GPU's dense bf16 tensor-core peak (from the one table of
+  GPUs, multicard/plan/hardware.py); null, with the reason, on a GPU the table does not know.
 - Loader share: the device loader alone makes `--loader-batches` batches (gather, crop/flip,
   normalise), timed between two CUDA synchronisations, over the timed step time.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from multicard.config import load_config
 from multicard.data import build_data
 from multicard.data.sampling import BatchPlan
 from multicard.models import build_model
+from multicard.plan.hardware import peak_bf16
 from multicard.process_group import ProcessContext
 
 STEPS_PER_EPOCH = 40
@@ -57,25 +57,6 @@ WORKLOAD = [
     "devices=[0]",
 ]
 
-# Dense (no structured sparsity) bf16 tensor-core peak in FLOP/s, from NVIDIA's datasheets,
-# which print the sparse figure (twice these) beside it. Matched in order against the device
-# name, so the specific forms come first.
-PEAK_BF16 = [
-    (r"H100.*PCIe", 756e12),  # H100 PCIe: 1,513 TFLOPS with sparsity
-    (r"H100.*NVL|H200.*NVL", 835e12),  # H100 NVL / H200 NVL: 1,671 TFLOPS with sparsity
-    (r"H100|H200|GH200", 989e12),  # H100 SXM, H200 SXM, GH200: 1,979 TFLOPS with sparsity
-    (r"A100", 312e12),  # A100 (SXM and PCIe): 312 TFLOPS dense
-    (r"L40S", 362e12),  # L40S: 362.05 TFLOPS dense
-    (r"\bL4\b", 121e12),  # L4: 242 TFLOPS with sparsity
-    (r"\bA10\b", 125e12),  # A10: 125 TFLOPS dense
-]
-
-
-def peak_bf16(device_name: str) -> float | None:
-    for pattern, flops in PEAK_BF16:
-        if re.search(pattern, device_name):
-            return flops
-    return None
 
 
 def flops_per_image(cfg, device: torch.device, batch: int = 8) -> float:
@@ -143,7 +124,8 @@ def main() -> None:
             if not cuda:
                 result["mfu_reason"] = "not a CUDA device"
             elif peak is None:
-                result["mfu_reason"] = f"no bf16 peak known for {result['device']!r}; add it to PEAK_BF16"
+                device = result["device"]
+                result["mfu_reason"] = f"no bf16 peak known for {device!r}; add it to multicard/plan/hardware.py"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "throughput.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "workload"}))

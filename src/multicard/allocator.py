@@ -15,6 +15,9 @@ import sys
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc's malloc.h)
 LARGE = 128 * 1024  # bytes: glibc's initial threshold, now kept fixed
+# Bytes: the highest glibc raises its threshold to on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), so
+# even without the fix an allocation this large is a fresh mapping each time.
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 
 
 def release_large_buffers() -> bool:

@@ -23,6 +23,7 @@ from multicard.checkpoint import check_resume_settings
 from multicard.config import load_config, parse_devices, to_dict
 from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
+from multicard.plan.arguments import add_plan_parser
 from multicard.process_group import ProcessEnv, communication_failure, detect_env, die_with_launcher, resolve_gpus
 from multicard.run_lock import RunLock
 from multicard.strategy.fsdp_units import check_units
@@ -107,6 +108,8 @@ def build_parser() -> _Parser:
     b.add_argument("--steps", type=int, default=30, help="timed steps per cell (default 30)")
     b.add_argument("--repeats", type=int, default=1, help="runs of every cell, alternating (default 1)")
     b.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.png)")
+
+    add_plan_parser(sub)
 
     v = _command(
         sub, "verify", "check on this machine that N-process DDP trains like one process", "YAML config file",
@@ -229,6 +232,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)  # --help, --version, or an unknown command: argparse says so
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from multicard.plan.cli import run_plan  # tracing and planning: loaded only for this command
+
+    return run_plan(args)
+
+
 def _report(args: argparse.Namespace) -> int:
     from multicard.report import report  # matplotlib: loaded only for this command
 
@@ -247,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands_by_name = {
             "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
+            "plan": _plan,
         }  # fmt: skip
         return commands_by_name[args.command](args)
     except Stopped as exc:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
@@ -197,6 +200,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: they die with this process
     # torch's agent logs each worker's end and every signal it sends; our one line says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logs = tempfile.mkdtemp(prefix="multicard-launch-")  # else torch's agent leaves a directory in /tmp per run
     config = LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
@@ -204,6 +208,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
         signals_to_handle=SIGNALS_TO_FORWARD,
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
         **_rendezvous(options, addr, port),
     )
     try:
@@ -226,4 +231,6 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
         if line is not None:
             print(f"multicard: error: {line}", file=sys.stderr)
         return code
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return ExitCode.OK

@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from multicard.bench.cells import MULTI_PROCESS, Variant, plan_cells
+from multicard.bench.cells import COMM_STEPS, MULTI_PROCESS, Variant, plan_cells
 from multicard.bench.report import plot, print_table, write_json
 from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
-from multicard.bench.worker import COMM_STEPS
 from multicard.config import load_config
 from multicard.errors import UserError
 from multicard.process_group import cpu_cores, cuda_count

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from multicard.bench.cells import COMM_STEPS
 from multicard.bench.measure import (
     CommTimer,
     StepClock,
@@ -31,9 +32,6 @@ from multicard.phases import split
 from multicard.process_group import detect_env, die_with_launcher
 from multicard.session import Session, open_session
 from multicard.trainer import Callback, StepEnd, Trainer, peak_memory_mb
-
-# After the timed steps, DDP cells run this many more with a timing comm hook (its achieved rate).
-COMM_STEPS = 5
 
 
 class StepTimer(Callback):

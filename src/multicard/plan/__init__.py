@@ -1,0 +1,1 @@
+"""`multicard plan`: per-device memory and step time of each strategy before any GPU is rented."""

@@ -1,0 +1,295 @@
+"""This machine's achievable rates, measured once and stored for planning on it (`--calibrate`).
+
+A CPU step costs FLOPs / R + bytes / BW, and its writes into new tensors large enough to be
+fresh mappings cost 1 / BW_fresh instead of 1 / BW (timing.Rates):
+
+- BW: an add over tensors larger than the caches into memory already touched;
+- BW_fresh: the same add into a newly allocated tensor (too large for malloc to reuse: fresh pages);
+- R of matmuls: a linear layer's forward and backward (a ViT-B MLP's shape; FLOPs counted by
+  torch's FlopCounterMode); R of grouped convolutions: a depthwise 3×3 convolution's (an
+  EfficientNet's shape), far below a dense one's on a CPU;
+- R of convolutions: fitted on real steps of resnet18 in multicard's own loop (measure.py), whose
+  FLOPs and bytes come from the plan's own trace: its convolution FLOPs over what remains of the
+  step time after the other terms. (A single convolution's rate, the fallback when the fit is
+  implausible, runs well below a real network's mix of shapes.)
+
+Each is taken for one process using every core (single) and for each of `cores` processes with
+a thread apiece (ddp). The ddp run also gives gloo's all-reduce rate between the processes; an
+fsdp run gives FSDP's own cost per unit and micro-step (hooks, copies, waiting for the other
+rank) beyond its modelled compute and communication; the single run, made alone in a cgroup
+where possible, what a training process needs besides tensors (its peak charge − its tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from multicard.data.decode import default_cache_dir
+from multicard.process_group import cpu_cores
+
+WORKLOAD = [  # the fit's model: convolutions, norms and pointwise ops in the mix of real nets
+    "model.name=resnet18",
+    "data.image_size=224",
+    "data.val_size=16",
+    "data.loader=workers",
+    "data.num_workers=0",  # batches made in the training process, outside the timed phases
+    "optim.name=sgd",
+    "precision=fp32",
+]
+WORKLOAD_BATCH = 8
+# What a process holds besides tensors, measured with the device loader: small images, batches
+# made on the device, small model (its tensors are predicted and taken away).
+RUNTIME_WORKLOAD = ["model.name=smallcnn", "data.image_size=64", "data.val_size=16", "data.loader=device",
+                    "train.global_batch_size=64", "data.train_size=512", "strategy=single", "devices=cpu"]  # fmt: skip
+ALLREDUCE_BYTES = [1 << 20, 16 << 20, 64 << 20]
+RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "bandwidth", "fresh_bandwidth")
+
+
+def calibration_path() -> Path:
+    return default_cache_dir() / "calibration.json"
+
+
+def machine_id() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {cpu_cores()} cores, torch {torch.__version__}"
+
+
+@dataclass
+class Calibration:
+    DEFAULT_RUNTIME: ClassVar[int] = 600 * 2**20  # uncalibrated guess: interpreter, torch, allocator slack
+
+    machine: str
+    rates: dict[int, dict[str, float]]  # threads per process -> RATE_KEYS
+    allreduce_bus_bandwidth: float  # gloo between this machine's processes, bytes/s
+    allreduce_latency: float
+    runtime_bytes: int  # a training process besides tensors (batches made on the device)
+    runtime_workers_bytes: int = 0  # the same with the workers loader (PIL, transforms, DataLoader)
+    fsdp_unit_s: float = 0.0
+    date: str = ""
+    calibrated: bool = True
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls) -> Calibration:
+        """Rough rates of a recent x86 core, used until `--calibrate` has run here."""
+        rates = {1: {"flops": 40e9, "matmul_flops": 40e9, "grouped_flops": 4e9, "bandwidth": 10e9,
+                     "fresh_bandwidth": 3e9}}  # fmt: skip
+        return cls("uncalibrated", rates, 1e9, 100e-6, cls.DEFAULT_RUNTIME, cls.DEFAULT_RUNTIME, 0.02, calibrated=False)
+
+    def rates_for(self, threads: int) -> dict[str, float]:
+        """The rates at `threads`, linear in threads between (and beyond) the measured counts."""
+        if threads in self.rates:
+            return self.rates[threads]
+        known = sorted(self.rates)
+        lo = max([t for t in known if t <= threads], default=known[0])
+        hi = min([t for t in known if t >= threads], default=known[-1])
+        if lo == hi:
+            return {k: v * threads / lo for k, v in self.rates[lo].items()}
+        w = (threads - lo) / (hi - lo)
+        return {k: self.rates[lo][k] + w * (self.rates[hi][k] - self.rates[lo][k]) for k in RATE_KEYS}
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration | None:
+        """The stored calibration if it was made on this machine (same CPU, cores and torch)."""
+        try:
+            data = json.loads(path.read_text())
+            data["rates"] = {int(k): {r: float(v.get(r, v["flops"])) for r in RATE_KEYS}  # older files lack some
+                             for k, v in data["rates"].items()}  # fmt: skip
+            cal = cls(**data)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return cal if cal.machine == machine_id() else None
+
+
+def _best_seconds(fn: Any, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def microbenchmarks(threads: int) -> tuple[float, float, float, float, float]:
+    """(FLOP/s of a 3×3 convolution's forward and backward, 64→64 channels, 56×56, batch 8;
+    FLOP/s of a linear layer's, 768→3072 features over 8 × 197 tokens (a ViT-B/16 MLP);
+    FLOP/s of a depthwise 3×3 convolution's, 96 channels, 56×56, batch 8 (an EfficientNet's);
+    bytes/s of an add over 3 × 64 MiB into touched memory; bytes/s of writing into fresh pages)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(8, 64, 56, 56, requires_grad=True)
+        w = torch.randn(64, 64, 3, 3, requires_grad=True)
+
+        def conv() -> None:
+            y = F.conv2d(x, w, padding=1)
+            y.backward(torch.ones_like(y))
+
+        t = torch.randn(8 * 197, 768, requires_grad=True)
+        m = torch.randn(3072, 768, requires_grad=True)
+
+        def linear() -> None:
+            y = F.linear(t, m)
+            y.backward(torch.ones_like(y))
+
+        d = torch.randn(8, 96, 56, 56, requires_grad=True)
+        dw = torch.randn(96, 1, 3, 3, requires_grad=True)
+
+        def depthwise() -> None:
+            y = F.conv2d(d, dw, padding=1, groups=96)
+            y.backward(torch.ones_like(y))
+
+        flops = _flops(conv) / _best_seconds(conv, 5)
+        matmul = _flops(linear) / _best_seconds(linear, 5)
+        with FlopCounterMode(display=False) as counter:  # torch miscounts a grouped backward: 2 forwards
+            F.conv2d(d, dw, padding=1, groups=96)
+        grouped = 3 * counter.get_total_flops() / _best_seconds(depthwise, 5)
+        a, b, out = torch.ones(16 << 20), torch.ones(16 << 20), torch.ones(16 << 20)
+        nbytes = a.numel() * a.element_size()
+        touched = _best_seconds(lambda: torch.add(a, b, out=out), 5)
+        fresh = _best_seconds(lambda: torch.add(a, b), 5)  # a new 64 MiB result each time: mmap'd, faulted in
+        stream = 3 * nbytes / touched
+        fresh_bw = nbytes / max(fresh - 2 * nbytes / stream, 1e-9)
+        return flops, matmul, grouped, stream, fresh_bw
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _flops(fn: Any) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _workload(processes: int, strategy: str, threads: int) -> Any:
+    from multicard.config import load_config
+
+    return load_config(None, [*WORKLOAD, f"strategy={strategy}", "devices=cpu", f"threads={threads}",
+                              f"train.global_batch_size={WORKLOAD_BATCH * processes}",
+                              f"data.train_size={WORKLOAD_BATCH * processes * 8}"])  # fmt: skip
+
+
+def calibrate(say: Any = print) -> Calibration:
+    """Measure this machine (a few minutes on 2 cores) and return the calibration."""
+    from multicard.config import load_config
+    from multicard.plan.measure import run_steps
+    from multicard.plan.scaling import step_model
+    from multicard.plan.timing import Net, Rates, step_time
+    from multicard.plan.tracker import CONV
+
+    cores = cpu_cores()
+    cal = Calibration(machine_id(), {}, 1e9, 1e-6, Calibration.DEFAULT_RUNTIME)
+    model = step_model(_workload(1, "single", cores), 10)
+    flops = float(model.flops.at(WORKLOAD_BATCH).sum())
+    conv_flops = float(model.flops.at(WORKLOAD_BATCH)[model.kind == CONV].sum())
+    moved = float(model.moved.at(WORKLOAD_BATCH).sum())
+    fresh = float(model.fresh.at(WORKLOAD_BATCH).sum())
+    for processes in sorted({1, cores}):
+        threads = max(1, cores // processes)
+        r, matmul, grouped, stream, fresh_bw = microbenchmarks(threads)
+        say(f"calibrate: {processes} process(es) × {threads} thread(s): matmul {matmul / 1e9:.1f} GFLOP/s, "
+            f"depthwise convolution {grouped / 1e9:.1f} GFLOP/s, "
+            f"memory {stream / 1e9:.1f} GB/s, fresh pages {fresh_bw / 1e9:.1f} GB/s; "
+            f"timing steps of resnet18 at 224 px")  # fmt: skip
+        if processes == 1:
+            cfg = _workload(1, "single", threads)
+            measured, cal.runtime_workers_bytes = _alone(cfg, model, WORKLOAD_BATCH)
+            small = load_config(None, RUNTIME_WORKLOAD)
+            _, cal.runtime_bytes = _alone(small, step_model(small, 10), small.train.global_batch_size)
+        else:
+            measured = run_steps(_workload(processes, "ddp", threads), processes, steps=4,
+                                 allreduce_bytes=ALLREDUCE_BYTES, profile_memory=False)  # fmt: skip
+            if measured.allreduce_ms:
+                cal.allreduce_bus_bandwidth, cal.allreduce_latency = _fit_allreduce(measured.allreduce_ms, processes)
+                cal.details["allreduce_ms"] = measured.allreduce_ms
+        if not measured.ok:
+            raise RuntimeError(f"calibration run failed: {measured.reason}")
+        split = measured.split_min_ms  # the fastest step: least disturbed by other work on the machine
+        step_s = (split["compute_ms"] + split["optimizer_ms"]) / 1000  # batches are made apart (no workers)
+        rates = Rates.cpu("fp32", {"flops": 1.0, "matmul_flops": matmul, "grouped_flops": grouped,
+                                   "bandwidth": stream, "fresh_bandwidth": fresh_bw})  # fmt: skip
+        others = rates.op_seconds(
+            np.where(model.kind == CONV, 0.0, model.flops.at(WORKLOAD_BATCH)),
+            model.moved.at(WORKLOAD_BATCH),
+            model.kind,
+            model.fresh.at(WORKLOAD_BATCH),
+        )
+        left = step_s - float(others.sum())  # what is not convolution arithmetic
+        fitted = conv_flops / left if left > 0 else 0.0
+        conv = fitted if r / 2 <= fitted <= 4 * r else r  # else the step was disturbed: the single conv's rate
+        say(f"calibrate: convolution {conv / 1e9:.1f} GFLOP/s in resnet18 (one 3×3 alone: {r / 1e9:.1f})")
+        cal.rates[threads] = {"flops": conv, "matmul_flops": matmul, "grouped_flops": grouped, "bandwidth": stream,
+                              "fresh_bandwidth": fresh_bw}  # fmt: skip
+        cal.details[f"{processes}x{threads}"] = {"step_s": step_s, "gflop": flops / 1e9, "gb_moved": moved / 1e9,
+                                                 "gb_fresh": fresh / 1e9}  # fmt: skip
+    if cores > 1:  # FSDP's own cost per unit: what its measured step has beyond the model
+        threads = max(1, cores // cores)
+        cfg = _workload(cores, "fsdp", threads)
+        say(f"calibrate: {cores} processes, fsdp: timing steps of resnet18 at 224 px")
+        measured = run_steps(cfg, cores, steps=4, profile_memory=False)
+        if measured.ok:
+            rates = cal.rates[threads]
+            modelled = step_time(model, "fsdp", Rates.cpu("fp32", rates),
+                                 Net(cal.allreduce_bus_bandwidth, cal.allreduce_latency, overlaps=False),
+                                 WORKLOAD_BATCH, 1, cores, 1)  # fmt: skip
+            units = max(1, len(model.trace.units))
+            cal.fsdp_unit_s = max(0.0, (measured.step_min_s - modelled.total_s) / units)
+            cal.details["fsdp"] = {"step_s": measured.step_min_s, "modelled_s": modelled.total_s}
+    cal.date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return cal
+
+
+def _alone(cfg: Any, model: Any, batch: int) -> tuple[Any, int]:
+    """Steps of `cfg` in a process of their own, in a cgroup where this machine allows (its peak
+    charge is what a memory cap sees; else the peak RSS): (the measurement, bytes besides tensors)."""
+    from multicard.plan import memcap
+    from multicard.plan.dataset import data_facts
+    from multicard.plan.measure import run_alone
+    from multicard.plan.memory import Layout, peak
+
+    capped = memcap.available() == ""
+    with memcap.MemoryCap(None) if capped else nullcontext() as cap:
+        measured = run_alone(cfg, steps=3, cap=cap)
+        charged = cap.max_usage if cap is not None else measured.rss_peak_bytes
+    images = data_facts(cfg.data, cfg.seed).decoded_bytes(cfg.data.image_size)
+    tensors = peak(model, Layout("single"), batch, {"loader": float(images)}).tensors
+    return measured, int(max(0.0, charged - tensors))
+
+
+def _fit_allreduce(times_ms: dict[int, float], world: int) -> tuple[float, float]:
+    """(bus bandwidth, latency per ring step) from all-reduce times of several sizes:
+    t = 2(w-1)·latency + 2(w-1)/w · bytes / bus."""
+    sizes = sorted(times_ms)
+    small, large = sizes[0], sizes[-1]
+    t_small, t_large = times_ms[small] / 1000, times_ms[large] / 1000
+    share = 2 * (world - 1) / world
+    slope = (t_large - t_small) / (large - small)
+    bus = share / slope if slope > 0 else share * large / t_large
+    latency = (t_small - share * small / bus) / (2 * (world - 1))
+    return bus, max(latency, 1e-6)

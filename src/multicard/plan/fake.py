@@ -1,0 +1,67 @@
+"""Fake tensors for planning: a model built and stepped with shapes and dtypes only.
+
+Nothing is allocated and no GPU is needed, so a 300M-parameter model plans on a laptop. Two
+quirks of torch's FakeTensorMode are handled here:
+
+- `nn.init` functions are made no-ops while the model is built: some read values back
+  (data-dependent), which fake tensors cannot answer, and values do not change memory or FLOPs.
+- `Module.to()` replaces fake parameters by swapping tensors, which torch refuses while a weak
+  reference to the parameter exists, and the mode's memo of converted tensors holds weak
+  references. So the memo holds strong references while the model is built and placed, and
+  weak ones again before the step is traced (a strong memo would keep activations alive).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.nn.init
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def _keep(*args: Any, **kwargs: Any) -> Any:
+    """An nn.init function that leaves its tensor as it is."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+@contextmanager
+def no_init() -> Iterator[None]:
+    """torch.nn.init.*_ (the in-place initialisers) do nothing inside the block."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved: dict[str, Callable[..., Any]] = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, _keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+class FakeWorld:
+    """One FakeTensorMode for one plan trace: `building()` to make and place the model, then
+    `stepping()` to run it."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode()
+        self._set_memo(dict(self._memo()))
+
+    def _memo(self) -> Any:
+        return self.mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def _set_memo(self, memo: Any) -> None:
+        self.mode.fake_tensor_converter.meta_converter.tensor_memo = memo
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        with self.mode, no_init():
+            yield
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        self._set_memo(weakref.WeakValueDictionary(self._memo()))
+        with self.mode:
+            yield

@@ -1,0 +1,122 @@
+"""What the plan is for: a named GPU × count × nodes with its links, or this machine's CPU.
+
+`--gpu NAME` plans for NAME from the datasheet table (hardware.py), `--gpu cpu` for this
+machine (its memory shared by the processes of a strategy), `--memory-gb X` for this machine
+with X GB per process. Rates on this machine come from `--calibrate` (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from multicard.errors import UserError
+from multicard.plan.calibrate import Calibration
+from multicard.plan.hardware import CUDA_CONTEXT_BYTES, FSDP_UNIT_HOST_S, NCCL_BYTES, Gpu, find_gpu
+from multicard.plan.links import DEFAULT_BETWEEN_NODES, Link, find_link, per_gpu_bandwidth
+from multicard.plan.timing import Net, Rates
+from multicard.process_group import cpu_cores
+
+GB = 10**9
+
+
+def machine_memory() -> int:
+    """Bytes this machine can give processes: MemAvailable, or this cgroup's limit if lower."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            available = min(available, int(text))
+    return available
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    gpu: Gpu | None  # None: this machine's CPU
+    gpus: int  # devices (processes) per node
+    nodes: int
+    memory_per_process: int | None  # --memory-gb: fixed per process; None: the device's, or RAM shared
+    intra: Link | None
+    inter: Link | None
+    calibration: Calibration | None
+
+    @property
+    def cuda(self) -> bool:
+        return self.gpu is not None
+
+    @property
+    def devices(self) -> int:
+        return self.gpus * self.nodes
+
+    def memory(self, processes_per_node: int) -> int:
+        """Bytes one process (one GPU) may use."""
+        if self.memory_per_process is not None:
+            return self.memory_per_process
+        if self.gpu is not None:
+            return self.gpu.memory_bytes
+        return machine_memory() // max(1, processes_per_node)
+
+    def runtime_bytes(self, distributed: bool, loader: str) -> int:
+        """Memory a process uses besides tensors: CUDA context and NCCL, or the interpreter, torch
+        and the allocator's slack (more with the workers loader's image libraries)."""
+        if self.gpu is not None:
+            return CUDA_CONTEXT_BYTES + (NCCL_BYTES if distributed else 0)
+        cal = self.calibration or Calibration.default()
+        return cal.runtime_workers_bytes if loader == "workers" else cal.runtime_bytes
+
+    def rates(self, precision: str, processes_per_node: int) -> Rates:
+        if self.gpu is not None:
+            return Rates(self.gpu, precision, fsdp_unit_s=FSDP_UNIT_HOST_S)
+        threads = max(1, cpu_cores() // max(1, processes_per_node))
+        cal = self.calibration or Calibration.default()
+        r = cal.rates_for(threads)
+        return Rates.cpu(precision, r, cal.fsdp_unit_s)
+
+    def net(self, processes_per_node: int) -> Net:
+        if self.gpu is None:
+            cal = self.calibration or Calibration.default()
+            return Net(cal.allreduce_bus_bandwidth, cal.allreduce_latency, overlaps=False)
+        assert self.intra is not None
+        inter_bw = per_gpu_bandwidth(self.inter, processes_per_node) if self.inter else 0.0
+        return Net(
+            per_gpu_bandwidth(self.intra, processes_per_node),
+            self.intra.latency_s,
+            inter_bw,
+            self.inter.latency_s if self.inter else 0.0,
+        )
+
+
+def make_target(gpu: str | None, memory_gb: float | None, gpus: int, nodes: int, interconnect: str | None,
+                calibration: Calibration | None) -> Target:  # fmt: skip
+    if (gpu is None) == (memory_gb is None):
+        raise UserError("give one of --gpu NAME (a GPU, or cpu for this machine) and --memory-gb X (this machine)")
+    if gpus < 1 or nodes < 1:
+        raise UserError(f"--gpus {gpus} and --nodes {nodes} must be at least 1")
+    if memory_gb is not None:
+        if not 0 < memory_gb < 1e6:
+            raise UserError(f"--memory-gb {memory_gb} must be a positive number of GB")
+        return Target(f"this machine, {memory_gb:g} GB per process", None, gpus, nodes, int(memory_gb * GB), None,
+                      None, calibration)  # fmt: skip
+    if gpu is not None and gpu.lower() == "cpu":
+        return Target(f"this machine's CPU ({cpu_cores()} cores)", None, gpus, nodes, None, None, None, calibration)
+    assert gpu is not None
+    entry = find_gpu(gpu)
+    link = find_link(interconnect) if interconnect else None
+    intra = link if link is not None and nodes == 1 else find_link(entry.link)
+    inter = (link or find_link(DEFAULT_BETWEEN_NODES)) if nodes > 1 else None
+    where = f"{nodes} nodes × {gpus}" if nodes > 1 else f"{gpus}"
+    label = f"{where} × {entry.label}, {intra.label}" + (f" in a node, {inter.label} between nodes" if inter else "")
+    return Target(label, entry, gpus, nodes, None, intra, inter, None)

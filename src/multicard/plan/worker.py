@@ -1,0 +1,127 @@
+"""One rank of a `multicard plan --measure` run: `python -m multicard.plan.worker SPEC.json`.
+
+The run is built by `session.open_session`, exactly as `multicard train` builds it, and
+driven by `Trainer.fit`: first `memory_steps` steps with memory measured (CPU: the profiler's
+allocation events from before the session is built; CUDA: torch.cuda.max_memory_allocated),
+then `warmup` untimed and `steps` timed steps. Rank 0 writes every rank's numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from multicard.bench.measure import raw_allreduce_ms
+from multicard.config import Config, config_from_dict, parse_devices
+from multicard.phases import split
+from multicard.plan.allocations import window_peak
+from multicard.process_group import detect_env, die_with_launcher, resolve_gpus
+from multicard.session import open_session
+from multicard.trainer import Callback, StepEnd, Trainer
+
+MARKER = "multicard.plan.steps"
+
+
+class StepWatch(Callback):
+    """Wall time and phase split of every optimizer step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: list[float] = []
+        self.splits: list[dict[str, float]] = []
+        self._last = time.perf_counter()
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self._last = time.perf_counter()
+
+    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds.append(now - self._last)
+        self.splits.append(split(step.times.seconds()))
+        self._last = now
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory (VmHWM), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(
+    cfg: Config,
+    memory_steps: int,
+    warmup: int,
+    steps: int,
+    allreduce_bytes: list[int] | None = None,
+    profile_memory: bool = True,
+) -> dict[str, Any] | None:
+    """Run the steps; CPU tensor memory is profiled only with `profile_memory` (the profiler holds
+    memory of its own, which the resident-memory peak would then include)."""
+    env = detect_env()
+    cuda = bool(resolve_gpus(parse_devices(cfg.devices)))
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profile_memory and not cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    elif prof is not None:
+        prof.start()
+    with open_session(cfg, env) as s:
+        with record_function(MARKER):
+            s.trainer.fit([], until=memory_steps, validate=False)
+        rss = peak_rss()
+        peak, before = 0, 0
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(s.ctx.device)
+        elif prof is not None:
+            prof.stop()
+            peak, before = window_peak(prof, MARKER)
+            prof = None
+        watch = StepWatch(s.ctx.device)
+        s.trainer.fit([watch], until=memory_steps + warmup + steps, validate=False)
+        timed = watch.seconds[warmup:]
+        fastest = min(range(len(timed)), key=timed.__getitem__) + warmup if timed else None
+        mine = {
+            "rank": s.ctx.rank,
+            "peak_bytes": peak,
+            "before_steps_bytes": before,
+            "step_s": statistics.median(timed) if timed else None,
+            "step_s_all": timed,
+            "split_ms": {k: statistics.median(x[k] for x in watch.splits[warmup:]) for k in watch.splits[0]}
+            if timed
+            else {},
+            "split_min_ms": watch.splits[fastest] if fastest is not None else {},  # the fastest step's
+            "threads": torch.get_num_threads(),
+            "device": str(s.ctx.device),
+            "loader": s.data.loader,
+            "micro_batch": s.plan.micro_batch,
+            "rss_peak_bytes": rss,  # after the memory steps, before the profile is read
+        }
+        ranks = s.strategy.all_gather_object(mine)
+        allreduce = {}
+        if s.ctx.world_size > 1:  # the raw collective's time, for calibrate's bandwidth fit
+            allreduce = {n: raw_allreduce_ms(n, s.ctx.device) for n in allreduce_bytes or []}
+        return {"ranks": ranks, "allreduce_ms": allreduce} if s.ctx.is_main else None
+
+
+def main(argv: list[str]) -> int:
+    die_with_launcher(detect_env())
+    spec = json.loads(Path(argv[0]).read_text())
+    result = measure(config_from_dict(spec["config"]), spec["memory_steps"], spec["warmup"], spec["steps"],
+                     spec.get("allreduce_bytes"), spec.get("profile_memory", True))  # fmt: skip
+    if result is not None:
+        Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
