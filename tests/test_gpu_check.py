@@ -48,7 +48,9 @@ def test_gpu_check_without_cuda_skips_every_gpu_step_and_still_summarises(tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     tests = summary["cuda_tests"]
     assert tests["status"] == "skipped" and tests["passed"] == 0 and not tests["failed"]
-    assert all("needs" in s and "CUDA GPU" in s for s in tests["skipped"]) and len(tests["skipped"]) >= 8
+    # every CUDA test skips for want of a GPU (a few first for want of data the machine lacks)
+    assert all(("needs" in s and "CUDA GPU" in s) or "not found" in s for s in tests["skipped"])
+    assert sum("CUDA GPU" in s for s in tests["skipped"]) >= 8
     runs = summary["matrix"]["runs"]
     assert len(runs) == 12 and all(r["status"] == "skipped" and "no CUDA device" in r["reason"] for r in runs)
     assert summary["throughput"]["status"] == "skipped"

@@ -54,7 +54,7 @@ WORKLOAD_BATCH = 8
 RUNTIME_WORKLOAD = ["model.name=smallcnn", "data.image_size=64", "data.val_size=16", "data.loader=device",
                     "train.global_batch_size=64", "data.train_size=512", "strategy=single", "devices=cpu"]  # fmt: skip
 ALLREDUCE_BYTES = [1 << 20, 16 << 20, 64 << 20]
-RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "bandwidth", "fresh_bandwidth")
+RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "transcendental", "bandwidth", "fresh_bandwidth")
 
 
 def calibration_path() -> Path:
@@ -91,8 +91,8 @@ class Calibration:
     @classmethod
     def default(cls) -> Calibration:
         """Rough rates of a recent x86 core, used until `--calibrate` has run here."""
-        rates = {1: {"flops": 40e9, "matmul_flops": 40e9, "grouped_flops": 4e9, "bandwidth": 10e9,
-                     "fresh_bandwidth": 3e9}}  # fmt: skip
+        rates = {1: {"flops": 40e9, "matmul_flops": 40e9, "grouped_flops": 4e9, "transcendental": 1e9,
+                     "bandwidth": 10e9, "fresh_bandwidth": 3e9}}  # fmt: skip
         return cls("uncalibrated", rates, 1e9, 100e-6, cls.DEFAULT_RUNTIME, cls.DEFAULT_RUNTIME, 0.02, calibrated=False)
 
     def rates_for(self, threads: int) -> dict[str, float]:
@@ -118,7 +118,7 @@ class Calibration:
         """The stored calibration if it was made on this machine (same CPU, cores and torch)."""
         try:
             data = json.loads(path.read_text())
-            data["rates"] = {int(k): {r: float(v.get(r, v["flops"])) for r in RATE_KEYS}  # older files lack some
+            data["rates"] = {int(k): {r: float(v.get(r, 0.0)) for r in RATE_KEYS}  # older files lack some (0: unused)
                              for k, v in data["rates"].items()}  # fmt: skip
             cal = cls(**data)
         except (OSError, ValueError, TypeError, KeyError):
@@ -136,10 +136,11 @@ def _best_seconds(fn: Any, repeats: int) -> float:
     return min(times)
 
 
-def microbenchmarks(threads: int) -> tuple[float, float, float, float, float]:
+def microbenchmarks(threads: int) -> tuple[float, float, float, float, float, float]:
     """(FLOP/s of a 3×3 convolution's forward and backward, 64→64 channels, 56×56, batch 8;
     FLOP/s of a linear layer's, 768→3072 features over 8 × 197 tokens (a ViT-B/16 MLP);
     FLOP/s of a depthwise 3×3 convolution's, 96 channels, 56×56, batch 8 (an EfficientNet's);
+    values/s of SiLU's forward and backward beyond their bytes at BW;
     bytes/s of an add over 3 × 64 MiB into touched memory; bytes/s of writing into fresh pages)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -176,7 +177,16 @@ def microbenchmarks(threads: int) -> tuple[float, float, float, float, float]:
         fresh = _best_seconds(lambda: torch.add(a, b), 5)  # a new 64 MiB result each time: mmap'd, faulted in
         stream = 3 * nbytes / touched
         fresh_bw = nbytes / max(fresh - 2 * nbytes / stream, 1e-9)
-        return flops, matmul, grouped, stream, fresh_bw
+        s = torch.randn(8, 96, 56, 56, requires_grad=True)
+
+        def silu() -> None:
+            y = F.silu(s)
+            y.backward(torch.ones_like(y))
+
+        values = 2 * s.numel()  # forward and backward each evaluate a sigmoid per value
+        beyond = _best_seconds(silu, 5) - 6 * s.numel() * s.element_size() / stream  # ones, y, 3 in backward
+        transcendental = values / max(beyond, 1e-9)
+        return flops, matmul, grouped, transcendental, stream, fresh_bw
     finally:
         torch.set_num_threads(previous)
 
@@ -212,7 +222,7 @@ def calibrate(say: Any = print) -> Calibration:
     fresh = float(model.fresh.at(WORKLOAD_BATCH).sum())
     for processes in sorted({1, cores}):
         threads = max(1, cores // processes)
-        r, matmul, grouped, stream, fresh_bw = microbenchmarks(threads)
+        r, matmul, grouped, transcendental, stream, fresh_bw = microbenchmarks(threads)
         say(f"calibrate: {processes} process(es) × {threads} thread(s): matmul {matmul / 1e9:.1f} GFLOP/s, "
             f"depthwise convolution {grouped / 1e9:.1f} GFLOP/s, "
             f"memory {stream / 1e9:.1f} GB/s, fresh pages {fresh_bw / 1e9:.1f} GB/s; "
@@ -233,18 +243,21 @@ def calibrate(say: Any = print) -> Calibration:
         split = measured.split_min_ms  # the fastest step: least disturbed by other work on the machine
         step_s = (split["compute_ms"] + split["optimizer_ms"]) / 1000  # batches are made apart (no workers)
         rates = Rates.cpu("fp32", {"flops": 1.0, "matmul_flops": matmul, "grouped_flops": grouped,
-                                   "bandwidth": stream, "fresh_bandwidth": fresh_bw})  # fmt: skip
+                                   "transcendental": transcendental, "bandwidth": stream,
+                                   "fresh_bandwidth": fresh_bw})  # fmt: skip
         others = rates.op_seconds(
             np.where(model.kind == CONV, 0.0, model.flops.at(WORKLOAD_BATCH)),
             model.moved.at(WORKLOAD_BATCH),
             model.kind,
             model.fresh.at(WORKLOAD_BATCH),
+            model.elements.at(WORKLOAD_BATCH),
         )
         left = step_s - float(others.sum())  # what is not convolution arithmetic
         fitted = conv_flops / left if left > 0 else 0.0
         conv = fitted if r / 2 <= fitted <= 4 * r else r  # else the step was disturbed: the single conv's rate
         say(f"calibrate: convolution {conv / 1e9:.1f} GFLOP/s in resnet18 (one 3×3 alone: {r / 1e9:.1f})")
-        cal.rates[threads] = {"flops": conv, "matmul_flops": matmul, "grouped_flops": grouped, "bandwidth": stream,
+        cal.rates[threads] = {"flops": conv, "matmul_flops": matmul, "grouped_flops": grouped,
+                              "transcendental": transcendental, "bandwidth": stream,
                               "fresh_bandwidth": fresh_bw}  # fmt: skip
         cal.details[f"{processes}x{threads}"] = {"step_s": step_s, "gflop": flops / 1e9, "gb_moved": moved / 1e9,
                                                  "gb_fresh": fresh / 1e9}  # fmt: skip

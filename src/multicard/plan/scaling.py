@@ -52,6 +52,7 @@ class StepModel:
         self.flops = _line(a.flops, b.flops, na, nb)
         self.moved = _line(a.moved, b.moved, na, nb)
         self.fresh = _line(a.fresh, b.fresh, na, nb)
+        self.elements = _line(a.elements, b.elements, na, nb)
         self.largest_activation = _line(np.array([small.largest_activation]), np.array([large.largest_activation]),
                                         na, nb)  # fmt: skip
         self.grads = a.grads.astype(np.float64)

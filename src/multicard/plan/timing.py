@@ -46,23 +46,28 @@ class Rates:
     fsdp_unit_s: float = 0.0  # CPU: FSDP's own cost per unit and micro-step (hooks, copies, waits)
     cpu_matmul_flops: float = 0.0  # CPU: achievable FLOP/s of matmuls (calibrated; 0: as convolutions)
     cpu_grouped_flops: float = 0.0  # CPU: of grouped (depthwise) convolutions (calibrated; 0: as dense ones)
+    cpu_transcendental: float = 0.0  # CPU: values/s a SiLU-like op evaluates beyond its bytes (0: no cost)
 
     @classmethod
     def cpu(cls, precision: str, rates: dict[str, float], fsdp_unit_s: float = 0.0) -> Rates:
         """A CPU's rates from a calibration's entry (calibrate.RATE_KEYS)."""
         return cls(None, precision, rates["flops"], rates["bandwidth"], rates["fresh_bandwidth"], fsdp_unit_s,
-                   rates.get("matmul_flops", 0.0), rates.get("grouped_flops", 0.0))  # fmt: skip
+                   rates.get("matmul_flops", 0.0), rates.get("grouped_flops", 0.0),
+                   rates.get("transcendental", 0.0))  # fmt: skip
 
     def op_seconds(self, flops: np.ndarray, moved: np.ndarray, kind: np.ndarray, fresh: np.ndarray,
-                   fault_from: float = MMAP_THRESHOLD_MAX) -> np.ndarray:  # fmt: skip
+                   elements: np.ndarray, fault_from: float = MMAP_THRESHOLD_MAX) -> np.ndarray:  # fmt: skip
         """Seconds of each op; on a CPU, new tensors of `fault_from` bytes or more fault their pages in
-        (an op's new bytes are taken as one tensor: most ops make one large output)."""
+        (an op's new bytes are taken as one tensor: most ops make one large output), and
+        transcendental ops pay for their `elements` too."""
         if self.gpu is None:
             rate = np.select([kind == MATMUL, kind == GROUPED_CONV],
                              [self.cpu_matmul_flops or self.cpu_flops, self.cpu_grouped_flops or self.cpu_flops],
                              self.cpu_flops)  # fmt: skip
             faulted = np.where(fresh >= fault_from, fresh, 0.0)
-            return flops / rate + (moved - faulted) / self.cpu_bandwidth + faulted / self.cpu_fresh_bandwidth
+            arithmetic = elements / self.cpu_transcendental if self.cpu_transcendental else 0.0
+            return (flops / rate + arithmetic + (moved - faulted) / self.cpu_bandwidth
+                    + faulted / self.cpu_fresh_bandwidth)  # fmt: skip
         gpu = self.gpu
         conv = (kind == CONV) | (kind == GROUPED_CONV)
         peak = np.where(conv, gpu.peak(self.precision, conv=True), gpu.peak(self.precision, conv=False))
@@ -122,7 +127,7 @@ def compute_seconds(model: StepModel, rates: Rates, n: float, replicas: int = 1,
     (per process; dp splits it over `replicas` GPUs, whose host threads share one interpreter)."""
     per_device = n / replicas
     seconds = rates.op_seconds(model.flops.at(per_device), model.moved.at(per_device), model.kind,
-                               model.fresh.at(per_device), fault_from)  # fmt: skip
+                               model.fresh.at(per_device), model.elements.at(per_device), fault_from)  # fmt: skip
     fb = model.forward_backward
     backward = model.phase == "backward"
     optimizer = model.phase == "optimizer"

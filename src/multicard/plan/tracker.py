@@ -83,6 +83,15 @@ OTHER, MATMUL, CONV, GROUPED_CONV = 0, 1, 2, 3
 _GROUPS_AT = {aten.convolution: 8, aten._convolution: 8, aten.convolution_backward: 9, aten.cudnn_convolution: 5}
 
 
+# Elementwise ops that evaluate an exponential (or erf, tanh) per value: on a CPU their time is
+# that arithmetic more than their bytes (SiLU, GELU, sigmoid, softmax and their backward).
+_TRANSCENDENTAL = {
+    "silu", "silu_backward", "sigmoid", "sigmoid_backward", "gelu", "gelu_backward", "tanh", "tanh_backward",
+    "exp", "erf", "mish", "mish_backward", "elu", "elu_backward", "_softmax", "_softmax_backward_data",
+    "_log_softmax", "_log_softmax_backward_data",
+}  # fmt: skip
+
+
 def _groups(packet: Any, args: tuple) -> int:
     at = _GROUPS_AT.get(packet)
     return int(args[at]) if at is not None and len(args) > at else 1
@@ -99,6 +108,7 @@ class OpSeries:
     flops: np.ndarray
     moved: np.ndarray
     fresh: np.ndarray  # bytes of `moved` written into storages this op allocated
+    elements: np.ndarray  # values a transcendental elementwise op evaluates (0 for other ops)
     kind: np.ndarray  # OTHER / MATMUL / CONV / GROUPED_CONV
     dtype_bytes: np.ndarray  # element size of the compute op's input (0 for OTHER)
     phase: list[str]
@@ -226,13 +236,15 @@ class OpRecorder(TorchDispatchMode):
         if flops:
             kind = (GROUPED_CONV if _groups(packet, args) > 1 else CONV) if packet in _CONVOLUTIONS else MATMUL
             size = inputs[0].element_size() if inputs else 4
-        self._rows.append((self.live, self.live_cuda, self.saved_live, self.grads, flops, moved, fresh, kind, size))
+        elements = sum(t.numel() for t in outputs) if packet.__name__.rstrip("_") in _TRANSCENDENTAL else 0
+        self._rows.append((self.live, self.live_cuda, self.saved_live, self.grads, flops, moved, fresh, kind, size,
+                           elements))  # fmt: skip
         self._phases.append(self._phase())
         self._names.append(packet.__name__)
         return out
 
     def series(self) -> OpSeries:
-        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 9)
+        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 10)
         return OpSeries(
             live=rows[:, 0],
             live_cuda=rows[:, 1],
@@ -241,6 +253,7 @@ class OpRecorder(TorchDispatchMode):
             flops=rows[:, 4],
             moved=rows[:, 5],
             fresh=rows[:, 6],
+            elements=rows[:, 9],
             kind=rows[:, 7],
             dtype_bytes=rows[:, 8],
             phase=list(self._phases),
