@@ -312,6 +312,7 @@ def test_13_a_crafted_checkpoint_runs_nothing(tmp_path, capsys):
         ["eval", "--checkpoint", str(evil)],
         ["train", *TINY, f"train.resume={evil}", f"out_dir={tmp_path / 'o'}"],
         ["train", *TINY, f"model.weights={evil}", f"out_dir={tmp_path / 'w'}"],
+        ["export", "--checkpoint", str(evil), "--out", str(tmp_path / "exported.pt")],
     ]
     for argv in attempts:
         assert main(argv) == 2, argv

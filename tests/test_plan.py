@@ -167,6 +167,7 @@ def test_accumulation_keeps_the_global_batch_when_the_micro_batch_does_not_fit()
             assert f"train.grad_accum={row.accum}" in row.command
 
 
+@pytest.mark.slow  # the command end to end, in a process of its own
 def test_plan_for_eight_h100s_recommends_a_strategy_and_the_command(tmp_path):
     done = plan_cli("--gpu", "H100", "--gpus", "8", "model.name=resnet50", "data.image_size=224",
                     "train.global_batch_size=2048", "--json", "--out", str(tmp_path))  # fmt: skip
@@ -216,13 +217,13 @@ def test_gpu_table_knows_the_gpus_by_name_and_by_device_name():
         assert gpu.fp16 > gpu.fp32 and (gpu.tf32 is None or gpu.tf32 <= 0.51 * gpu.fp16)
 
 
-def test_unknown_gpu_lists_the_known_ones():
-    done = plan_cli("--gpu", "H1000")
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+def test_unknown_gpu_lists_the_known_ones(capsys):
+    assert plan_main(["--gpu", "H1000"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--gpu H1000" in lines[0] and "h100" in lines[0] and "rtx4090" in lines[0]
 
 
+@pytest.mark.slow  # the command end to end, in a process of its own
 def test_a_config_that_fits_nowhere_names_the_part_and_the_closest_strategy():
     done = plan_cli("--memory-gb", "1", "--gpus", "2", "model.name=resnet18", "data.image_size=2048",
                     "train.global_batch_size=2", "data.train_size=8", "data.val_size=2")  # fmt: skip

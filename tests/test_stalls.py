@@ -80,6 +80,7 @@ def test_no_stall_is_reported_in_a_healthy_run(tmp_path):
     result = cli("train", "--nproc-per-node", "2", *TINY, "train.epochs=2", "debug.stall_s=1", f"out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "stall" not in result.stderr and not (tmp_path / "stall").exists()
+    assert "input pipeline holds training back" not in result.stdout  # nor a data-bound alarm
 
 
 def test_a_straggler_is_named_once(tmp_path):
@@ -92,6 +93,11 @@ def test_a_straggler_is_named_once(tmp_path):
     assert "straggler: rank 0" not in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["rank"] for r in records if r["kind"] == "straggler"] == [1]
+    # rank 1 waits 40 ms per batch for its (deliberately slow) loader: the input pipeline sets
+    # the pace, said once, naming that rank
+    bound = [r for r in records if r["kind"] == "data_bound"]
+    assert len(bound) == 1 and "(rank 1," in bound[0]["message"], bound
+    assert result.stdout.count("the input pipeline holds training back") == 1, result.stdout
 
 
 def _scalars(folder: Path) -> dict[str, list[int]]:

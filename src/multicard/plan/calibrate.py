@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -145,27 +146,11 @@ def microbenchmarks(threads: int) -> tuple[float, float, float, float, float, fl
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.randn(8, 64, 56, 56, requires_grad=True)
-        w = torch.randn(64, 64, 3, 3, requires_grad=True)
-
-        def conv() -> None:
-            y = F.conv2d(x, w, padding=1)
-            y.backward(torch.ones_like(y))
-
-        t = torch.randn(8 * 197, 768, requires_grad=True)
-        m = torch.randn(3072, 768, requires_grad=True)
-
-        def linear() -> None:
-            y = F.linear(t, m)
-            y.backward(torch.ones_like(y))
-
-        d = torch.randn(8, 96, 56, 56, requires_grad=True)
-        dw = torch.randn(96, 1, 3, 3, requires_grad=True)
-
-        def depthwise() -> None:
-            y = F.conv2d(d, dw, padding=1, groups=96)
-            y.backward(torch.ones_like(y))
-
+        conv = _step(lambda x, w: F.conv2d(x, w, padding=1), (8, 64, 56, 56), (64, 64, 3, 3))
+        linear = _step(F.linear, (8 * 197, 768), (3072, 768))
+        d = torch.randn(8, 96, 56, 56)
+        dw = torch.randn(96, 1, 3, 3)
+        depthwise = _step(lambda x, w: F.conv2d(x, w, padding=1, groups=96), d.shape, dw.shape)
         flops = _flops(conv) / _best_seconds(conv, 5)
         matmul = _flops(linear) / _best_seconds(linear, 5)
         with FlopCounterMode(display=False) as counter:  # torch miscounts a grouped backward: 2 forwards
@@ -177,18 +162,24 @@ def microbenchmarks(threads: int) -> tuple[float, float, float, float, float, fl
         fresh = _best_seconds(lambda: torch.add(a, b), 5)  # a new 64 MiB result each time: mmap'd, faulted in
         stream = 3 * nbytes / touched
         fresh_bw = nbytes / max(fresh - 2 * nbytes / stream, 1e-9)
-        s = torch.randn(8, 96, 56, 56, requires_grad=True)
-
-        def silu() -> None:
-            y = F.silu(s)
-            y.backward(torch.ones_like(y))
-
-        values = 2 * s.numel()  # forward and backward each evaluate a sigmoid per value
-        beyond = _best_seconds(silu, 5) - 6 * s.numel() * s.element_size() / stream  # ones, y, 3 in backward
+        silu = _step(F.silu, (8, 96, 56, 56))
+        values = 2 * d.numel()  # forward and backward each evaluate a sigmoid per value
+        beyond = _best_seconds(silu, 5) - 6 * d.numel() * d.element_size() / stream  # ones, y, 3 in backward
         transcendental = values / max(beyond, 1e-9)
         return flops, matmul, grouped, transcendental, stream, fresh_bw
     finally:
         torch.set_num_threads(previous)
+
+
+def _step(op: Callable[..., torch.Tensor], *shapes: tuple[int, ...] | torch.Size) -> Callable[[], None]:
+    """`op`'s forward on random inputs of these shapes and the gradients of all of them."""
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
+
+    def run() -> None:
+        y = op(*inputs)
+        torch.autograd.grad(y, inputs, torch.ones_like(y))
+
+    return run
 
 
 def _flops(fn: Any) -> float:

@@ -43,14 +43,16 @@ def _cpu_attention_flops() -> dict[Any, Callable[..., int]]:
     table: dict[Any, Callable[..., int]] = {}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
 
-        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any) -> int:
+        def forward_count(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any) -> int:
             return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
 
-        def backward(go: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any) -> int:
+        def backward_count(
+            go: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any
+        ) -> int:
             return flop_counter.sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape)
 
-        table[aten._scaled_dot_product_flash_attention_for_cpu] = forward
-        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
+        table[aten._scaled_dot_product_flash_attention_for_cpu] = forward_count
+        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward_count
     return table
 
 
