@@ -4,6 +4,7 @@ checkpoint helpers, and the hook that skips `cuda`-marked tests on machines with
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,29 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------ checkpoints and parameters
+
+
+def train_on_two_nodes(*args: str, env: dict | None = None) -> list[tuple[str, str]]:
+    """`multicard train ARGS` as two nodes of one process each, two launchers on this host over
+    loopback; both must exit 0. Their (stdout, stderr)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "multicard", "train", "--nnodes", "2", "--node-rank", str(rank),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(env),
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    return outputs
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -1,14 +1,11 @@
 """Real multi-process runs on CPU (gloo): parity with single-process training, exact eval."""
 
 import json
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import TINY, cli, final_params, load_checkpoint, max_rel_diff, requires_2_gpus
+from conftest import TINY, cli, final_params, load_checkpoint, max_rel_diff, requires_2_gpus, train_on_two_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -99,25 +96,8 @@ def test_eval_is_exact_for_world_sizes_1_2_3(single_run):
 
 def test_two_nodes_on_loopback_equal_one_node(single_run, tmp_path):
     """--nnodes 2 with one process per node (two launchers on this host) trains like ddp×2."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "run"
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "multicard", "train", "--nnodes", "2", "--node-rank", str(rank),
-             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-             *PARITY, f"out_dir={out}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    outputs = train_on_two_nodes(*PARITY, f"out_dir={out}")
     assert "world_size=2" in outputs[0][0]
     assert max_rel_diff(final_params(out), final_params(single_run)) < 1e-10
 

@@ -7,9 +7,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from conftest import (
     final_params,
     max_rel_diff,
     start,
+    train_on_two_nodes,
     wait_for,
     worker_pid,
 )
@@ -74,24 +73,9 @@ def test_sharded_training_equals_one_process(single, tmp_path, nproc, options):
 
 def test_hsdp_over_two_nodes_equals_one_process(single, tmp_path):
     """fsdp.replicate=nodes on two nodes (two launchers on this host): a 2-D mesh, same maths."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "multicard", "train", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
-             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), *ODD, "strategy=fsdp",
-             "fsdp.replicate=nodes", "train.max_steps=6", f"out_dir={tmp_path}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **MODELS},
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    train_on_two_nodes(
+        *ODD, "strategy=fsdp", "fsdp.replicate=nodes", "train.max_steps=6", f"out_dir={tmp_path}", env=MODELS
+    )
     assert max_rel_diff(final_params(tmp_path), single) < 1e-10
 
 
