@@ -10,6 +10,7 @@ import pytest
 from conftest import cli
 from multicard.bench.cells import DEFAULT_VARIANT, Cell, Variant, parse_variant, plan_cells
 from multicard.bench.measure import summary_ms
+from multicard.bench.report import heartbeat_lines
 from multicard.bench.runner import make_rows
 from multicard.errors import UserError
 
@@ -94,6 +95,19 @@ def test_failed_and_skipped_cells_become_rows_with_reasons():
         ("failed", "worker exited with code 1"),
         ("skipped", "DataParallel needs CUDA GPUs"),
     ]
+
+
+def test_rows_carry_the_costliest_ranks_heartbeat():
+    cell = Cell("multicard", "ddp", 2, "fp32")
+    beat = {"beats": 30, "wall_ms_per_beat": 0.5, "cpu_ms_per_beat": 0.3, "wall_share": 0.0005}
+    dearer = {**beat, "wall_ms_per_beat": 2.0, "wall_share": 0.002}
+    rows = make_rows({cell: [{**_result(100), "heartbeat_per_rank": [beat, dearer]}]}, [], 64, gpus=0)
+    assert rows[0]["heartbeat"] == dearer
+    assert heartbeat_lines(rows) == [
+        "heartbeats of multicard/ddp×2/fp32: at most 0.200% of step time (2.00 ms per beat, 0.30 ms of it CPU; "
+        "costliest rank)"
+    ]
+    assert heartbeat_lines(make_rows({cell: [_result(100)]}, [], 64, gpus=0)) == []  # debug.stall_s=0: none
 
 
 def test_summary_of_step_times():

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import matplotlib.image
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +144,45 @@ def test_sharding_rules_change_only_what_each_strategy_holds():
     assert zero3.tensors < zero1.tensors < ddp.tensors
     zero2 = timeline(model, Layout("fsdp", 4, reshard_after_forward=False), 16)["parameters"]
     assert zero2.max() >= timeline(model, Layout("fsdp", 4), 16)["parameters"].max()
+
+
+def test_fsdp_on_cpu_pays_for_returned_memory_unless_told_to_keep_it():
+    from multicard.plan.timing import Net, Rates, step_time
+
+    cfg = load_config(None, ["model.name=resnet18", "data.image_size=64", "optim.name=adamw"])
+    model = step_model(cfg, 10)
+    rates = Rates.cpu("fp32", {"flops": 2e10, "bandwidth": 5e9, "fresh_bandwidth": 1e9})
+    net = Net(1e9, 1e-4, overlaps=False)
+    released = step_time(model, "fsdp", rates, net, 16, 1, 2, 1)
+    kept = step_time(model, "fsdp", rates, net, 16, 1, 2, 1, release_memory=False)
+    assert kept.total_s < released.total_s
+    ddp = step_time(model, "ddp", rates, net, 16, 1, 2, 1, release_memory=True)  # ddp never fixes the threshold
+    assert ddp.compute_s == pytest.approx(kept.compute_s - len(model.trace.units) * rates.fsdp_unit_s)
+
+
+def test_adamw_runs_fused_on_shards_so_fsdp_has_no_optimizer_temporaries():
+    adamw = trace_step(load_config(None, ["model.name=smallcnn", "data.image_size=32", "optim.name=adamw"]), 4, 10)
+    sgd = trace_step(load_config(None, ["model.name=smallcnn", "data.image_size=32", "optim.name=sgd"]), 4, 10)
+    assert adamw.optimizer_temps == {"loop": 0, "foreach": 0}
+    assert sgd.optimizer_temps["loop"] > 0 and sgd.optimizer_temps["foreach"] > 0
+
+
+def test_depthwise_backward_and_normalisations_take_rates_of_their_own():
+    from multicard.plan.timing import Rates
+    from multicard.plan.tracker import GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM
+
+    cfg = load_config(None, ["model.name=torchvision.models:mobilenet_v3_small", "data.image_size=32"])
+    ops = trace_step(cfg, 2, 10).ops
+    kinds = set(ops.kind.tolist())
+    assert {GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM} <= kinds
+    norms = {ops.names[i] for i in np.flatnonzero(ops.kind == NORM)}
+    assert norms >= {"native_batch_norm", "native_batch_norm_backward"}
+    base = {"flops": 1e11, "grouped_flops": 1e10, "bandwidth": 2e10, "fresh_bandwidth": 2e9}
+    own = Rates.cpu("fp32", {**base, "grouped_backward_flops": 5e9, "norm_bandwidth": 5e9})
+    args = (ops.flops, ops.moved, ops.kind, ops.fresh, ops.elements)
+    plain, slower = Rates.cpu("fp32", base).op_seconds(*args), own.op_seconds(*args)
+    changed = (ops.kind == GROUPED_CONV_BACKWARD) | (ops.kind == NORM)
+    assert np.all(slower[changed] > plain[changed]) and np.array_equal(slower[~changed], plain[~changed])
 
 
 def test_largest_batch_is_the_boundary_of_the_budget():

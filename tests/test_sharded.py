@@ -205,3 +205,34 @@ def test_zero1_and_async_save_are_refused_where_they_cannot_work(tmp_path, capsy
         assert err.count("\n") == 1 and message in err, (overrides, err)
     assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "is a directory that holds no checkpoint" in capsys.readouterr().err  # out_dir is not a checkpoint
+
+
+@pytest.mark.parametrize("name, fused", [("adamw", True), ("sgd", False)])
+def test_the_optimizer_step_on_shards_is_fused_where_torch_has_the_kernel(tmp_path, name, fused):
+    """AdamW's fused kernel runs on sharded (DTensor) parameters, and updates them as the
+    unfused loop does; SGD's has no sharding rule, so it runs unfused there."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from multicard.config import OptimConfig
+    from multicard.optim import optimizer_recipe
+
+    tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        after = {}
+        for kernel in (fused, False):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+            fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+            optimizer = optimizer_recipe(model, OptimConfig(name=name, fused=kernel), global_batch=8).build()
+            assert optimizer.param_groups[0].get("fused") is (True if kernel else None)
+            for _ in range(3):
+                model(torch.randn(4, 5, dtype=torch.float64)).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            after[kernel] = [p.full_tensor() for p in model.parameters()]
+        pairs = zip(after[fused], after[False], strict=True)
+        assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs) < 1e-12
+    finally:
+        tdist.destroy_process_group()

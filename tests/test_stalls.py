@@ -149,3 +149,21 @@ def test_report_and_tensorboard_bad_input_are_one_line(tmp_path, capsys, monkeyp
     assert "pip install 'multicard[tensorboard]'" in capsys.readouterr().err
     assert main(["train", *TINY, "debug.stall_s=soon", f"out_dir={tmp_path / 'o'}"]) == 2
     assert "debug.stall_s=soon must be auto, 0 (off) or a number of seconds" in capsys.readouterr().err
+
+
+def test_heartbeats_count_what_they_cost(tmp_path):
+    """The watchdog times its own beats (bench reports the share): here, one rank on an in-process
+    store, each beat well under 1% of the second between beats."""
+    import torch.distributed as tdist
+
+    from multicard.watchdog import BEAT_S, Watchdog
+
+    dog = Watchdog(tdist.HashStore(), 0, 1, lambda: (0, 0, "idle"), tmp_path, None, abort=False, say=print)
+    dog.start()
+    try:
+        wait_for(lambda: dog.cost.beats >= 2, timeout=10 * BEAT_S, what="two heartbeats")
+    finally:
+        dog.close()
+    cost = dog.cost.summary()
+    assert cost["beats"] >= 2 and 0 < cost["cpu_ms_per_beat"] and 0 < cost["wall_ms_per_beat"] < 10
+    assert 0 < cost["wall_share"] < 0.01

@@ -80,7 +80,7 @@ def main() -> None:
         result["device"] = name
         gpu = gpu_for_device(name)
         if gpu is None:
-            result.update(status="skipped", reason=f"{name!r} is not in multicard plan's GPU table (plan/hardware.py)")
+            result.update(status="skipped", reason=f"{name!r} is not in multicard plan's GPU table (plan/gpus.yaml)")
             return _finish(result, args.out)
         total = torch.cuda.get_device_properties(0).total_memory
         target = dataclasses.replace(make_target(gpu.name, None, 1, 1, None, None), memory_per_process=total)

@@ -8,7 +8,7 @@ warm-up (compilation, autotuning), the second is timed.
 - FLOPs per image: torch.utils.flop_counter.FlopCounterMode over one forward and backward of
   the same model (matmuls and convolutions, as MFU conventionally counts).
 - MFU: achieved FLOP/s over the GPU's dense bf16 tensor-core peak (from the one table of
-  GPUs, multicard/plan/hardware.py); null, with the reason, on a GPU the table does not know.
+  GPUs, multicard/plan/gpus.yaml); null, with the reason, on a GPU the table does not know.
 - Loader share: the device loader alone makes `--loader-batches` batches (gather, crop/flip,
   normalise), timed between two CUDA synchronisations, over the timed step time.
 
@@ -125,7 +125,7 @@ def main() -> None:
                 result["mfu_reason"] = "not a CUDA device"
             elif peak is None:
                 device = result["device"]
-                result["mfu_reason"] = f"no bf16 peak known for {device!r}; add it to multicard/plan/hardware.py"
+                result["mfu_reason"] = f"no bf16 peak known for {device!r}; add it to multicard/plan/gpus.yaml"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "throughput.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "workload"}))

@@ -135,6 +135,9 @@ class FSDPConfig:
     min_unit_params: int = 1_000_000
     # nodes: HSDP — shard inside each node, replicate across nodes (a 2-D device mesh); none: shard over all
     replicate: str = "none"
+    # CPU only: hand freed unit-sized buffers back to the system at once (least memory; each step's
+    # buffers then fault their pages in anew: slower). false: glibc keeps them (faster, more resident)
+    cpu_release_memory: bool = True
 
 
 @dataclass(frozen=True)

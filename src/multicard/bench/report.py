@@ -32,6 +32,11 @@ def _held(per_rank: list[dict[str, float]] | None) -> str:
     return text if max(totals) - min(totals) < 1 else f"{text} (max {max(totals):.0f})"
 
 
+def _label(row: dict[str, Any]) -> str:
+    label = f"{row['runner']}/{row['strategy']}×{row['world_size']}/{row['precision']}"
+    return label if row.get("variant", "default") == "default" else f"{label}+{row['variant']}"
+
+
 def table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="multicard bench", show_lines=False)
     columns = (
@@ -41,9 +46,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
     for name in columns:
         t.add_column(name, justify="left" if name == "cell" else "right")
     for row in rows:
-        label = f"{row['runner']}/{row['strategy']}×{row['world_size']}/{row['precision']}"
-        if row.get("variant", "default") != "default":
-            label += f"+{row['variant']}"
+        label = _label(row)
         if row["status"] != "ok":
             t.add_row(label, f"[dim]{row['status']}: {row.get('reason', '')}[/dim]", *[""] * 7)
             continue
@@ -122,5 +125,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def heartbeat_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What stall detection's heartbeats cost, per cell that ran them: the share of wall time
+    spent in them (an upper bound on what they can take from the training thread)."""
+    lines = []
+    for row in rows:
+        hb = row.get("heartbeat")
+        if row["status"] == "ok" and hb:
+            lines.append(
+                f"heartbeats of {_label(row)}: at most {100 * hb['wall_share']:.3f}% of step time "
+                f"({hb['wall_ms_per_beat']:.2f} ms per beat, {hb['cpu_ms_per_beat']:.2f} ms of it CPU; costliest rank)"
+            )
+    return lines
+
+
 def print_table(rows: list[dict[str, Any]], console: Console | None = None) -> None:
-    (console or Console()).print(table(rows))
+    console = console or Console()
+    console.print(table(rows))
+    for line in heartbeat_lines(rows):
+        console.print(line)

@@ -87,6 +87,12 @@ def _ratios(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[float]:
     return [x["step_ms"]["median"] / y["step_ms"]["median"] for x, y in both]
 
 
+def _costliest(per_rank: list[dict[str, float] | None] | None) -> dict[str, float] | None:
+    """The heartbeat cost of the rank whose beats took the largest share of its time."""
+    beats = [b for b in per_rank or [] if b and b["beats"]]
+    return max(beats, key=lambda b: b["wall_share"]) if beats else None
+
+
 def _single_of(cell: Cell) -> Cell:
     return Cell(cell.runner, "single", 1, cell.precision, DEFAULT_VARIANT)
 
@@ -117,6 +123,7 @@ def make_rows(
             peak_mem_mb=max(peaks) if peaks else None,
             peak_mem_mb_per_device=middle.get("peak_mem_mb_per_device"),
             held_mib_per_rank=middle.get("held_mib_per_rank"),
+            heartbeat=_costliest(middle.get("heartbeat_per_rank")),
             breakdown=middle.get("breakdown"),
             allreduce=middle.get("allreduce"),
             threads=middle.get("threads"),

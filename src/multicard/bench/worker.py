@@ -60,8 +60,8 @@ class HeldState(Callback):
         self.mib: dict[str, float] = {}
 
     def on_gradients(self, trainer: Trainer) -> None:
-        if trainer.position.global_step < 1:
-            return
+        if trainer.position.global_step < 1 or self.mib:
+            return  # once: not on steps that are timed after it
         params = list(trainer.bare.parameters())
         self.mib = {
             "params": held_bytes(params) / 2**20,
@@ -102,6 +102,7 @@ def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[s
         comm = _allreduce(s, warmup + steps) if strategy == "ddp" else None
         peaks = [mb for rank in s.strategy.all_gather_object(peak_memory_mb(s.strategy.devices)) for mb in rank]
         held_per_rank = s.strategy.all_gather_object(held.mib)
+        beats = s.strategy.all_gather_object(s.watchdog.cost.summary() if s.watchdog else None)
         if not s.ctx.is_main:
             return None
         return {
@@ -111,6 +112,7 @@ def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[s
             "allreduce": comm,
             "peak_mem_mb_per_device": peaks,
             "held_mib_per_rank": held_per_rank,
+            "heartbeat_per_rank": beats if any(beats) else None,
             "threads": torch.get_num_threads(),
             "loader": s.data.loader,
         }

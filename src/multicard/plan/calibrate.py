@@ -5,9 +5,12 @@ fresh mappings cost 1 / BW_fresh instead of 1 / BW (timing.Rates):
 
 - BW: an add over tensors larger than the caches into memory already touched;
 - BW_fresh: the same add into a newly allocated tensor (too large for malloc to reuse: fresh pages);
+- BW of normalisations: a BatchNorm's forward and backward, its bytes counted as the trace counts
+  them (it reads its input twice: statistics, then the normalised values);
 - R of matmuls: a linear layer's forward and backward (a ViT-B MLP's shape; FLOPs counted by
-  torch's FlopCounterMode); R of grouped convolutions: a depthwise 3×3 convolution's (an
-  EfficientNet's shape), far below a dense one's on a CPU;
+  torch's FlopCounterMode); R of grouped convolutions: EfficientNet-shaped depthwise
+  convolutions', forward and backward apart (far below a dense one's on a CPU, the backward
+  at about half the forward's);
 - R of convolutions: fitted on real steps of resnet18 in multicard's own loop (measure.py), whose
   FLOPs and bytes come from the plan's own trace: its convolution FLOPs over what remains of the
   step time after the other terms. (A single convolution's rate, the fallback when the fit is
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -55,7 +59,11 @@ WORKLOAD_BATCH = 8
 RUNTIME_WORKLOAD = ["model.name=smallcnn", "data.image_size=64", "data.val_size=16", "data.loader=device",
                     "train.global_batch_size=64", "data.train_size=512", "strategy=single", "devices=cpu"]  # fmt: skip
 ALLREDUCE_BYTES = [1 << 20, 16 << 20, 64 << 20]
-RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "transcendental", "bandwidth", "fresh_bandwidth")
+RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "grouped_backward_flops", "transcendental", "bandwidth",
+             "norm_bandwidth", "fresh_bandwidth")  # fmt: skip
+# Depthwise convolutions of an EfficientNet's (channels, size, kernel, stride): their forward
+# and backward run at rates of their own on a CPU, the backward's well below the forward's.
+DEPTHWISE = [(96, 56, 3, 1), (240, 28, 5, 1), (672, 14, 5, 1), (1152, 7, 3, 1)]
 
 
 def calibration_path() -> Path:
@@ -92,8 +100,9 @@ class Calibration:
     @classmethod
     def default(cls) -> Calibration:
         """Rough rates of a recent x86 core, used until `--calibrate` has run here."""
-        rates = {1: {"flops": 40e9, "matmul_flops": 40e9, "grouped_flops": 4e9, "transcendental": 1e9,
-                     "bandwidth": 10e9, "fresh_bandwidth": 3e9}}  # fmt: skip
+        rates = {1: {"flops": 40e9, "matmul_flops": 40e9, "grouped_flops": 4e9, "grouped_backward_flops": 2e9,
+                     "transcendental": 1e9, "bandwidth": 10e9, "norm_bandwidth": 4e9,
+                     "fresh_bandwidth": 3e9}}  # fmt: skip
         return cls("uncalibrated", rates, 1e9, 100e-6, cls.DEFAULT_RUNTIME, cls.DEFAULT_RUNTIME, 0.02, calibrated=False)
 
     def rates_for(self, threads: int) -> dict[str, float]:
@@ -137,38 +146,66 @@ def _best_seconds(fn: Any, repeats: int) -> float:
     return min(times)
 
 
-def microbenchmarks(threads: int) -> tuple[float, float, float, float, float, float]:
-    """(FLOP/s of a 3×3 convolution's forward and backward, 64→64 channels, 56×56, batch 8;
+def microbenchmarks(threads: int) -> dict[str, float]:
+    """This machine's rates at `threads` (RATE_KEYS, and "conv": one convolution's alone):
+    FLOP/s of a 3×3 convolution's forward and backward, 64→64 channels, 56×56, batch 8;
     FLOP/s of a linear layer's, 768→3072 features over 8 × 197 tokens (a ViT-B/16 MLP);
-    FLOP/s of a depthwise 3×3 convolution's, 96 channels, 56×56, batch 8 (an EfficientNet's);
+    FLOP/s of the depthwise convolutions in DEPTHWISE at batch 8, forward and backward apart;
     values/s of SiLU's forward and backward beyond their bytes at BW;
-    bytes/s of an add over 3 × 64 MiB into touched memory; bytes/s of writing into fresh pages)."""
+    bytes/s of an add over 3 × 64 MiB into touched memory; of writing into fresh pages; of a
+    BatchNorm's forward and backward, counted as the plan counts bytes (inputs + outputs)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         conv = _step(lambda x, w: F.conv2d(x, w, padding=1), (8, 64, 56, 56), (64, 64, 3, 3))
         linear = _step(F.linear, (8 * 197, 768), (3072, 768))
-        d = torch.randn(8, 96, 56, 56)
-        dw = torch.randn(96, 1, 3, 3)
-        depthwise = _step(lambda x, w: F.conv2d(x, w, padding=1, groups=96), d.shape, dw.shape)
-        flops = _flops(conv) / _best_seconds(conv, 5)
-        matmul = _flops(linear) / _best_seconds(linear, 5)
-        with FlopCounterMode(display=False) as counter:  # torch miscounts a grouped backward: 2 forwards
-            F.conv2d(d, dw, padding=1, groups=96)
-        grouped = 3 * counter.get_total_flops() / _best_seconds(depthwise, 5)
         a, b, out = torch.ones(16 << 20), torch.ones(16 << 20), torch.ones(16 << 20)
         nbytes = a.numel() * a.element_size()
         touched = _best_seconds(lambda: torch.add(a, b, out=out), 5)
         fresh = _best_seconds(lambda: torch.add(a, b), 5)  # a new 64 MiB result each time: mmap'd, faulted in
         stream = 3 * nbytes / touched
-        fresh_bw = nbytes / max(fresh - 2 * nbytes / stream, 1e-9)
-        silu = _step(F.silu, (8, 96, 56, 56))
-        values = 2 * d.numel()  # forward and backward each evaluate a sigmoid per value
-        beyond = _best_seconds(silu, 5) - 6 * d.numel() * d.element_size() / stream  # ones, y, 3 in backward
-        transcendental = values / max(beyond, 1e-9)
-        return flops, matmul, grouped, transcendental, stream, fresh_bw
+        x = torch.randn(8, 96, 56, 56)
+        xbytes = x.numel() * x.element_size()
+        silu = _step(F.silu, x.shape)
+        beyond = _best_seconds(silu, 5) - 6 * xbytes / stream  # ones, y, 3 in backward
+        norm = _step(lambda x, w, b: F.batch_norm(x, torch.zeros(96), torch.ones(96), w, b, training=True),
+                     x.shape, (96,), (96,))  # fmt: skip
+        norm_s = _best_seconds(norm, 5) - xbytes / stream  # less the ones_like of the output gradient
+        forward_s, backward_s, forward_flops = _depthwise_seconds(stream)
+        return {
+            "conv": _flops(conv) / _best_seconds(conv, 5),
+            "matmul_flops": _flops(linear) / _best_seconds(linear, 5),
+            "grouped_flops": forward_flops / forward_s,
+            "grouped_backward_flops": 2 * forward_flops / backward_s,  # as the trace counts a grouped backward
+            "transcendental": 2 * x.numel() / max(beyond, 1e-9),  # forward and backward: a sigmoid per value each
+            "bandwidth": stream,
+            "norm_bandwidth": 5 * xbytes / max(norm_s, 1e-9),  # forward reads x, writes y; backward 2 in, 1 out
+            "fresh_bandwidth": nbytes / max(fresh - 2 * nbytes / stream, 1e-9),
+        }
     finally:
         torch.set_num_threads(previous)
+
+
+def _depthwise_seconds(stream: float) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, forward FLOPs) of DEPTHWISE's convolutions together."""
+    forward_s = backward_s = forward_flops = 0.0
+    for channels, size, kernel, stride in DEPTHWISE:
+        x = torch.randn(8, channels, size, size, requires_grad=True)
+        w = torch.randn(channels, 1, kernel, kernel, requires_grad=True)
+        forward = partial(F.conv2d, x, w, stride=stride, padding=kernel // 2, groups=channels)
+        with torch.no_grad():
+            alone = _best_seconds(forward, 5)
+        with FlopCounterMode(display=False) as counter:
+            y = forward()
+        both = _best_seconds(lambda forward=forward, x=x, w=w: _gradients(forward(), x, w), 5)
+        forward_s += alone
+        backward_s += max(both - alone - y.numel() * y.element_size() / stream, 1e-9)  # less the ones_like
+        forward_flops += counter.get_total_flops()
+    return forward_s, backward_s, forward_flops
+
+
+def _gradients(y: torch.Tensor, *inputs: torch.Tensor) -> None:
+    torch.autograd.grad(y, inputs, torch.ones_like(y))
 
 
 def _step(op: Callable[..., torch.Tensor], *shapes: tuple[int, ...] | torch.Size) -> Callable[[], None]:
@@ -176,8 +213,7 @@ def _step(op: Callable[..., torch.Tensor], *shapes: tuple[int, ...] | torch.Size
     inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
 
     def run() -> None:
-        y = op(*inputs)
-        torch.autograd.grad(y, inputs, torch.ones_like(y))
+        _gradients(op(*inputs), *inputs)
 
     return run
 
@@ -213,11 +249,12 @@ def calibrate(say: Any = print) -> Calibration:
     fresh = float(model.fresh.at(WORKLOAD_BATCH).sum())
     for processes in sorted({1, cores}):
         threads = max(1, cores // processes)
-        r, matmul, grouped, transcendental, stream, fresh_bw = microbenchmarks(threads)
-        say(f"calibrate: {processes} process(es) × {threads} thread(s): matmul {matmul / 1e9:.1f} GFLOP/s, "
-            f"depthwise convolution {grouped / 1e9:.1f} GFLOP/s, "
-            f"memory {stream / 1e9:.1f} GB/s, fresh pages {fresh_bw / 1e9:.1f} GB/s; "
-            f"timing steps of resnet18 at 224 px")  # fmt: skip
+        micro = microbenchmarks(threads)
+        say(f"calibrate: {processes} process(es) × {threads} thread(s): matmul {micro['matmul_flops'] / 1e9:.1f} "
+            f"GFLOP/s, depthwise convolution {micro['grouped_flops'] / 1e9:.1f} (backward "
+            f"{micro['grouped_backward_flops'] / 1e9:.1f}) GFLOP/s, memory {micro['bandwidth'] / 1e9:.1f} GB/s, "
+            f"batch norm {micro['norm_bandwidth'] / 1e9:.1f} GB/s, fresh pages {micro['fresh_bandwidth'] / 1e9:.1f} "
+            f"GB/s; timing steps of resnet18 at 224 px")  # fmt: skip
         if processes == 1:
             cfg = _workload(1, "single", threads)
             measured, cal.runtime_workers_bytes = _alone(cfg, model, WORKLOAD_BATCH)
@@ -233,10 +270,8 @@ def calibrate(say: Any = print) -> Calibration:
             raise RuntimeError(f"calibration run failed: {measured.reason}")
         split = measured.split_min_ms  # the fastest step: least disturbed by other work on the machine
         step_s = (split["compute_ms"] + split["optimizer_ms"]) / 1000  # batches are made apart (no workers)
-        rates = Rates.cpu("fp32", {"flops": 1.0, "matmul_flops": matmul, "grouped_flops": grouped,
-                                   "transcendental": transcendental, "bandwidth": stream,
-                                   "fresh_bandwidth": fresh_bw})  # fmt: skip
-        others = rates.op_seconds(
+        measured_rates = {k: micro[k] for k in RATE_KEYS if k != "flops"}
+        others = Rates.cpu("fp32", {"flops": 1.0, **measured_rates}).op_seconds(
             np.where(model.kind == CONV, 0.0, model.flops.at(WORKLOAD_BATCH)),
             model.moved.at(WORKLOAD_BATCH),
             model.kind,
@@ -245,11 +280,10 @@ def calibrate(say: Any = print) -> Calibration:
         )
         left = step_s - float(others.sum())  # what is not convolution arithmetic
         fitted = conv_flops / left if left > 0 else 0.0
+        r = micro["conv"]
         conv = fitted if r / 2 <= fitted <= 4 * r else r  # else the step was disturbed: the single conv's rate
         say(f"calibrate: convolution {conv / 1e9:.1f} GFLOP/s in resnet18 (one 3×3 alone: {r / 1e9:.1f})")
-        cal.rates[threads] = {"flops": conv, "matmul_flops": matmul, "grouped_flops": grouped,
-                              "transcendental": transcendental, "bandwidth": stream,
-                              "fresh_bandwidth": fresh_bw}  # fmt: skip
+        cal.rates[threads] = {"flops": conv, **measured_rates}
         cal.details[f"{processes}x{threads}"] = {"step_s": step_s, "gflop": flops / 1e9, "gb_moved": moved / 1e9,
                                                  "gb_fresh": fresh / 1e9}  # fmt: skip
     if cores > 1:  # FSDP's own cost per unit: what its measured step has beyond the model

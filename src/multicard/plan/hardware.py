@@ -1,6 +1,6 @@
 """GPUs multicard plans for: memory, memory bandwidth and dense peak rates, from the vendors'
-datasheets — the one place these facts live (scripts/gpu_check/throughput.py reads PEAK_BF16
-from here).
+datasheets, kept in gpus.yaml with their sources — the one place these facts live
+(scripts/gpu_check/throughput.py reads PEAK_BF16 from here).
 
 Rates are dense (no structured sparsity) peaks in FLOP/s; datasheets print the sparse figure,
 twice the dense one, beside it for tensor-core formats. `tf32` is the tensor-core rate that
@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from multicard.errors import UserError
 
@@ -48,59 +51,23 @@ class Gpu:
         return (self.tf32 or self.fp32) if conv else self.fp32
 
 
-GPUS: tuple[Gpu, ...] = (
-    # NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2): 7.8 FP64 / 15.7 FP32 / 125 tensor TFLOPS,
-    # 16 or 32 GB HBM2 at 900 GB/s, NVLink 300 GB/s. No BF16 or TF32 tensor cores.
-    Gpu("v100-sxm2-32gb", "V100 SXM2 32GB", 32 * GIB, 900e9, None, 125 * T, None, 15.7 * T, 7.8 * T, "nvlink2",
-        r"V100.*SXM2.*32GB", aliases=("v100", "v100-32gb")),
-    Gpu("v100-sxm2-16gb", "V100 SXM2 16GB", 16 * GIB, 900e9, None, 125 * T, None, 15.7 * T, 7.8 * T, "nvlink2",
-        r"V100.*SXM2", aliases=("v100-16gb",)),
-    # Same datasheet (PCIe): 7 FP64 / 14 FP32 / 112 tensor TFLOPS, 900 GB/s.
-    Gpu("v100-pcie-32gb", "V100 PCIe 32GB", 32 * GIB, 900e9, None, 112 * T, None, 14 * T, 7 * T, "pcie3",
-        r"V100.*PCIE", aliases=("v100-pcie",)),
-    # NVIDIA A100 Tensor Core GPU datasheet: 9.7 FP64 / 19.5 FP32 / 156 TF32 / 312 BF16 and FP16 (dense);
-    # 40GB HBM2 1,555 GB/s; 80GB HBM2e 2,039 GB/s (SXM) or 1,935 GB/s (PCIe); NVLink 600 GB/s.
-    Gpu("a100-40gb", "A100 SXM 40GB", 40 * GIB, 1555e9, 312 * T, 312 * T, 156 * T, 19.5 * T, 9.7 * T, "nvlink3",
-        r"A100.*SXM.*40GB", aliases=("a100-sxm-40gb", "a100-40")),
-    Gpu("a100-40gb-pcie", "A100 PCIe 40GB", 40 * GIB, 1555e9, 312 * T, 312 * T, 156 * T, 19.5 * T, 9.7 * T, "pcie4",
-        r"A100.*PCIE.*40GB"),
-    Gpu("a100-80gb-pcie", "A100 PCIe 80GB", 80 * GIB, 1935e9, 312 * T, 312 * T, 156 * T, 19.5 * T, 9.7 * T, "pcie4",
-        r"A100.*PCIE.*80GB|A100 80GB PCIe"),
-    # Any other A100 name (SXM4 80GB among them) is taken for the SXM 80GB.
-    Gpu("a100-80gb", "A100 SXM 80GB", 80 * GIB, 2039e9, 312 * T, 312 * T, 156 * T, 19.5 * T, 9.7 * T, "nvlink3",
-        r"A100", aliases=("a100", "a100-sxm-80gb", "a100-80")),
-    # NVIDIA A10 Tensor Core GPU datasheet: 31.2 FP32 / 62.5 TF32 / 125 BF16 and FP16 (dense); 24GB GDDR6, 600 GB/s.
-    Gpu("a10", "A10 24GB", 24 * GIB, 600e9, 125 * T, 125 * T, 62.5 * T, 31.2 * T, 0.98 * T, "pcie4", r"\bA10\b"),
-    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 34 FP64 / 67 FP32 / 989 TF32 sparse (494.7 dense) /
-    # 1,979 BF16 and FP16 sparse (989 dense); 80GB HBM3 at 3.35 TB/s; NVLink 900 GB/s.
-    Gpu("h100", "H100 SXM 80GB", 80 * GIB, 3.35e12, 989 * T, 989 * T, 494.7 * T, 67 * T, 34 * T, "nvlink4",
-        r"H100(?!.*(PCIe|NVL))", aliases=("h100-sxm", "h100-80gb")),
-    # Same datasheet, H100 PCIe: 26 FP64 / 51 FP32 / 756 TF32 sparse / 1,513 BF16 and FP16 sparse; 80GB HBM2e 2 TB/s.
-    Gpu("h100-pcie", "H100 PCIe 80GB", 80 * GIB, 2.0e12, 756 * T, 756 * T, 378 * T, 51 * T, 26 * T, "pcie5",
-        r"H100.*PCIe"),
-    # Same datasheet, H100 NVL: 30 FP64 / 60 FP32 / 835 TF32 sparse / 1,671 BF16 and FP16 sparse; 94GB HBM3 3.9 TB/s.
-    Gpu("h100-nvl", "H100 NVL 94GB", 94 * GIB, 3.9e12, 835 * T, 835 * T, 417.5 * T, 60 * T, 30 * T, "pcie5",
-        r"H100.*NVL"),
-    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: rates of H100 SXM; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
-    Gpu("h200", "H200 SXM 141GB", 141 * GIB, 4.8e12, 989 * T, 989 * T, 494.7 * T, 67 * T, 34 * T, "nvlink4",
-        r"(?<!G)H200(?!.*NVL)", aliases=("h200-sxm",)),
-    # Same datasheet, H200 NVL: 30 FP64 / 60 FP32 / 835 TF32 sparse / 1,671 BF16 and FP16 sparse; 141GB, 4.8 TB/s.
-    Gpu("h200-nvl", "H200 NVL 141GB", 141 * GIB, 4.8e12, 835 * T, 835 * T, 417.5 * T, 60 * T, 30 * T, "pcie5",
-        r"H200.*NVL"),
-    # NVIDIA GH200 Grace Hopper Superchip datasheet: the H100's rates (989 BF16 dense); 96GB HBM3 at 4 TB/s.
-    Gpu("gh200", "GH200 96GB", 96 * GIB, 4.0e12, 989 * T, 989 * T, 494.7 * T, 67 * T, 34 * T, "nvlink4", r"GH200"),
-    # NVIDIA L4 Tensor Core GPU datasheet: 30.3 FP32 / 120 TF32 sparse / 242 BF16 and FP16 sparse; 24GB GDDR6,
-    # 300 GB/s; PCIe Gen4 x16.
-    Gpu("l4", "L4 24GB", 24 * GIB, 300e9, 121 * T, 121 * T, 60 * T, 30.3 * T, 0.49 * T, "pcie4", r"\bL4\b"),
-    # NVIDIA L40S datasheet: 91.6 FP32 / 183 TF32 / 362.05 BF16 and FP16 (dense; rounded to 362); 48GB GDDR6
-    # at 864 GB/s; PCIe Gen4.
-    Gpu("l40s", "L40S 48GB", 48 * GIB, 864e9, 362 * T, 362 * T, 183 * T, 91.6 * T, 1.41 * T, "pcie4",
-        r"L40S"),
-    # NVIDIA Ada GPU Architecture whitepaper, GeForce RTX 4090: 82.6 FP32; tensor cores with FP32 accumulate
-    # (what PyTorch uses): 165.2 FP16 and BF16, 82.6 TF32 (dense); 24GB GDDR6X at 1,008 GB/s; PCIe Gen4, no NVLink.
-    Gpu("rtx4090", "GeForce RTX 4090 24GB", 24 * GIB, 1008e9, 165.2 * T, 165.2 * T, 82.6 * T, 82.6 * T, 1.29 * T,
-        "pcie4", r"RTX 4090", aliases=("4090", "geforce-rtx-4090")),
-)  # fmt: skip
+def _load_gpus() -> tuple[Gpu, ...]:
+    """The table in gpus.yaml (units there: GiB, GB/s, TFLOP/s), in its order."""
+    rows = OmegaConf.to_container(OmegaConf.load(Path(__file__).with_name("gpus.yaml")))
+    assert isinstance(rows, list)
+
+    def rate(value: float | None) -> float | None:
+        return None if value is None else value * T
+
+    return tuple(
+        Gpu(r["name"], r["label"], r["memory_gib"] * GIB, r["bandwidth_gb_s"] * 1e9, rate(r["tflops"]["bf16"]),
+            r["tflops"]["fp16"] * T, rate(r["tflops"]["tf32"]), r["tflops"]["fp32"] * T, r["tflops"]["fp64"] * T,
+            r["link"], r["device_pattern"], tuple(r.get("aliases", ())))  # fmt: skip
+        for r in rows
+    )
+
+
+GPUS = _load_gpus()
 
 # Shares of the datasheet peaks a training step reaches, for ops that are large enough to be
 # bound by one of them: big matmuls/convolutions reach 60-80% of the dense tensor-core peak

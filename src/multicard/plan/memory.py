@@ -18,7 +18,8 @@ peak is the maximum over ops of the rewritten total, split into components at th
   shard group; each unit's parameters gathered whole while it runs (ZeRO-3: its forward and
   backward, the next unit prefetched in backward; ZeRO-2: from its forward to the end of its
   backward); a unit's gradients whole from their arrival until its reduce-scatter, then a
-  shard; the optimizer runs unfused on shards (its temporaries traced).
+  shard; the optimizer runs fused on shards where torch can (AdamW), else unfused (its
+  temporaries traced).
 
 Gradient accumulation (grad_accum > 1): every micro-step after the first holds the whole
 gradients from its start (FSDP: unsharded, as no_sync keeps them).

@@ -113,6 +113,7 @@ def _time(model: StepModel, c: Candidate, target: Target, cfg: Config, n: int, a
         replicas=target.gpus if c.kind == "dp" else 1,
         shard_per_node=target.gpus if c.key == "hsdp" else None,
         reshard_after_forward=c.key != "zero2",
+        release_memory=cfg.fsdp.cpu_release_memory,
         compute_bytes=ELEMENT[cfg.precision],  # FSDP gathers parameters in the compute dtype
         comm_bytes=2 if compressed else (8 if cfg.precision == "fp64" else 4),  # gradients keep the parameters' dtype
         bucket_bytes=cfg.ddp.bucket_cap_mb * 2**20,

@@ -1,6 +1,6 @@
 """What the plan is for: a named GPU × count × nodes with its links, or this machine's CPU.
 
-`--gpu NAME` plans for NAME from the datasheet table (hardware.py), `--gpu cpu` for this
+`--gpu NAME` plans for NAME from the datasheet table (gpus.yaml), `--gpu cpu` for this
 machine (its memory shared by the processes of a strategy), `--memory-gb X` for this machine
 with X GB per process. Rates on this machine come from `--calibrate` (calibrate.py).
 """

@@ -5,10 +5,12 @@ GPU: each op takes max(FLOPs / compute rate, bytes moved / memory bandwidth, a k
 minimum) — the roofline per op — with the compute rate of its kind and dtype (hardware.Gpu);
 the host must also dispatch every op (eager PyTorch), so a micro-step takes the larger of the
 device's sum and the host's. CPU: FLOPs / R + bytes / BW, with rates measured on this machine
-(calibrate.py), R apart for convolutions and for matmuls; but an op's writes into new tensors
+(calibrate.py), R apart for dense convolutions, grouped ones (forward and backward) and
+matmuls, BW apart for normalisations (which read their input twice); an op's writes into new tensors
 at or above glibc's mmap threshold cost 1 / BW_fresh: such an allocation is a fresh mapping
 whose pages fault in as they are written, where a smaller one reuses memory already touched.
-The threshold rises to 32 MiB as a process runs; fsdp fixes it at 128 KiB (allocator.py).
+The threshold rises to 32 MiB as a process runs; fsdp fixes it at 128 KiB (allocator.py) unless
+fsdp.cpu_release_memory=false.
 
 Communication (ring algorithms, NCCL/gloo): all-reduce moves 2(g-1)/g of the bytes over each
 GPU's link, all-gather and reduce-scatter (g-1)/g; across nodes the slower of the two links
@@ -31,7 +33,7 @@ from multicard.plan.hardware import (
     Gpu,
 )
 from multicard.plan.scaling import StepModel
-from multicard.plan.tracker import CONV, GROUPED_CONV, MATMUL, OTHER
+from multicard.plan.tracker import CONV, GROUPED_CONV, GROUPED_CONV_BACKWARD, MATMUL, NORM
 
 
 @dataclass(frozen=True)
@@ -47,13 +49,16 @@ class Rates:
     cpu_matmul_flops: float = 0.0  # CPU: achievable FLOP/s of matmuls (calibrated; 0: as convolutions)
     cpu_grouped_flops: float = 0.0  # CPU: of grouped (depthwise) convolutions (calibrated; 0: as dense ones)
     cpu_transcendental: float = 0.0  # CPU: values/s a SiLU-like op evaluates beyond its bytes (0: no cost)
+    cpu_grouped_backward_flops: float = 0.0  # CPU: of grouped convolutions' backward (0: as their forward)
+    cpu_norm_bandwidth: float = 0.0  # CPU: bytes/s of normalisations, counted as other ops' (0: as BW)
 
     @classmethod
     def cpu(cls, precision: str, rates: dict[str, float], fsdp_unit_s: float = 0.0) -> Rates:
         """A CPU's rates from a calibration's entry (calibrate.RATE_KEYS)."""
         return cls(None, precision, rates["flops"], rates["bandwidth"], rates["fresh_bandwidth"], fsdp_unit_s,
                    rates.get("matmul_flops", 0.0), rates.get("grouped_flops", 0.0),
-                   rates.get("transcendental", 0.0))  # fmt: skip
+                   rates.get("transcendental", 0.0), rates.get("grouped_backward_flops", 0.0),
+                   rates.get("norm_bandwidth", 0.0))  # fmt: skip
 
     def op_seconds(self, flops: np.ndarray, moved: np.ndarray, kind: np.ndarray, fresh: np.ndarray,
                    elements: np.ndarray, fault_from: float = MMAP_THRESHOLD_MAX) -> np.ndarray:  # fmt: skip
@@ -61,17 +66,20 @@ class Rates:
         (an op's new bytes are taken as one tensor: most ops make one large output), and
         transcendental ops pay for their `elements` too."""
         if self.gpu is None:
-            rate = np.select([kind == MATMUL, kind == GROUPED_CONV],
-                             [self.cpu_matmul_flops or self.cpu_flops, self.cpu_grouped_flops or self.cpu_flops],
+            grouped = self.cpu_grouped_flops or self.cpu_flops
+            rate = np.select([kind == MATMUL, kind == GROUPED_CONV, kind == GROUPED_CONV_BACKWARD],
+                             [self.cpu_matmul_flops or self.cpu_flops, grouped,
+                              self.cpu_grouped_backward_flops or grouped],
                              self.cpu_flops)  # fmt: skip
+            bandwidth = np.where(kind == NORM, self.cpu_norm_bandwidth or self.cpu_bandwidth, self.cpu_bandwidth)
             faulted = np.where(fresh >= fault_from, fresh, 0.0)
             arithmetic = elements / self.cpu_transcendental if self.cpu_transcendental else 0.0
-            return (flops / rate + arithmetic + (moved - faulted) / self.cpu_bandwidth
+            return (flops / rate + arithmetic + (moved - faulted) / bandwidth
                     + faulted / self.cpu_fresh_bandwidth)  # fmt: skip
         gpu = self.gpu
-        conv = (kind == CONV) | (kind == GROUPED_CONV)
+        conv = (kind == CONV) | (kind == GROUPED_CONV) | (kind == GROUPED_CONV_BACKWARD)
         peak = np.where(conv, gpu.peak(self.precision, conv=True), gpu.peak(self.precision, conv=False))
-        compute = np.where(kind == OTHER, 0.0, flops / (peak * ACHIEVABLE_COMPUTE))
+        compute = np.where((kind == CONV) | (kind == MATMUL) | conv, flops / (peak * ACHIEVABLE_COMPUTE), 0.0)
         memory = moved / (gpu.bandwidth * ACHIEVABLE_BANDWIDTH)
         launched = (flops > 0) | (moved > 0)
         return np.where(launched, np.maximum(np.maximum(compute, memory), KERNEL_MIN_S), 0.0)
@@ -149,6 +157,7 @@ def step_time(
     replicas: int = 1,
     shard_per_node: int | None = None,
     reshard_after_forward: bool = True,
+    release_memory: bool = True,
     compute_bytes: float = 4,
     comm_bytes: float = 4,
     bucket_bytes: float = 25e6,
@@ -159,9 +168,10 @@ def step_time(
     compute_bytes: element size of the parameters FSDP gathers (bf16/fp16 under mixed precision);
     comm_bytes: of the gradients DDP all-reduces (halved by an fp16/bf16 comm hook).
     shard_per_node: FSDP shards within a node and replicates across nodes (HSDP) when set.
+    release_memory: fsdp.cpu_release_memory (on a CPU, fsdp fixes glibc's mmap threshold).
     """
     trace = model.trace
-    fault_from = LARGE if kind == "fsdp" else MMAP_THRESHOLD_MAX  # fsdp fixes glibc's threshold (CPU)
+    fault_from = LARGE if kind == "fsdp" and release_memory else MMAP_THRESHOLD_MAX
     fb, backward, optimizer = compute_seconds(model, rates, n, replicas, fault_from)
     compute = accum * fb
     elements = float(sum(p.numel for p in trace.params))

@@ -8,7 +8,7 @@ is allocated and no GPU is needed; every op is recorded (tracker.OpRecorder).
 Besides the op series, the trace keeps what the strategy rules need: parameter, buffer,
 gradient and optimizer-state bytes (per parameter too: ZeRO-1 splits by parameter), the
 FSDP units (their bytes and the ops during which each unit's forward and backward run), and
-the optimizer's temporaries when it runs unfused on shards (FSDP cannot use fused kernels).
+the optimizer's temporaries when it runs unfused on shards (FSDP has a fused kernel for AdamW only).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn as nn
 from multicard.config import Config
 from multicard.errors import UserError
 from multicard.models import build_model, check_input_size
-from multicard.optim import build_scheduler, optimizer_recipe
+from multicard.optim import build_scheduler, fused_on_shards, optimizer_recipe
 from multicard.plan.fake import FakeWorld
 from multicard.plan.tracker import OpRecorder, OpSeries
 from multicard.precision import Precision
@@ -102,7 +102,8 @@ class StepTrace:
     has_conv: bool
     params: list[ParamInfo]
     units: list[Unit]
-    optimizer_temps: dict[str, int] = field(default_factory=dict)  # "foreach" / "loop": unfused step temporaries
+    # "foreach" / "loop": temporaries of the optimizer step on shards when it runs unfused there (0 when fused)
+    optimizer_temps: dict[str, int] = field(default_factory=dict)
 
 
 def _trace_precision(cfg: Config) -> TracePrecision:
@@ -216,6 +217,8 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
             info.state_bytes = _state_bytes(state) if state else 0
             info.unit = watch.owner.get(id(p), -1)
         temps = {"loop": _unfused_temps(recipe, bare, foreach=False), "foreach": _unfused_temps(recipe, bare, True)}
+        if cfg.optim.fused and fused_on_shards(cfg.optim.name):
+            temps = {"loop": 0, "foreach": 0}  # fsdp runs the fused kernel on its shards too: no temporaries
     ops = recorder.series()
     params_bytes = sum(i.nbytes for i in params)
     return StepTrace(

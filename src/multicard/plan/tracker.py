@@ -78,9 +78,15 @@ def op_flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
-# Kinds of compute op, for the time model: which peak rate applies (a grouped or depthwise
-# convolution runs far below a dense one's rate on a CPU).
-OTHER, MATMUL, CONV, GROUPED_CONV = 0, 1, 2, 3
+# Kinds of op, for the time model: which rate applies. On a CPU a grouped or depthwise
+# convolution runs far below a dense one's rate, its backward below its forward's, and a
+# normalisation reads its input more than once (statistics, then the normalised values).
+OTHER, MATMUL, CONV, GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM = 0, 1, 2, 3, 4, 5
+_NORMS = {
+    "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "batch_norm_backward", "native_layer_norm", "native_layer_norm_backward",
+    "native_group_norm", "native_group_norm_backward",
+}  # fmt: skip
 # Where each convolution op takes `groups` among its arguments.
 _GROUPS_AT = {aten.convolution: 8, aten._convolution: 8, aten.convolution_backward: 9, aten.cudnn_convolution: 5}
 
@@ -92,6 +98,14 @@ _TRANSCENDENTAL = {
     "exp", "erf", "mish", "mish_backward", "elu", "elu_backward", "_softmax", "_softmax_backward_data",
     "_log_softmax", "_log_softmax_backward_data",
 }  # fmt: skip
+
+
+def _compute_kind(packet: Any, args: tuple) -> int:
+    if packet not in _CONVOLUTIONS:
+        return MATMUL
+    if _groups(packet, args) == 1:
+        return CONV
+    return GROUPED_CONV_BACKWARD if packet is aten.convolution_backward else GROUPED_CONV
 
 
 def _groups(packet: Any, args: tuple) -> int:
@@ -111,7 +125,7 @@ class OpSeries:
     moved: np.ndarray
     fresh: np.ndarray  # bytes of `moved` written into storages this op allocated
     elements: np.ndarray  # values a transcendental elementwise op evaluates (0 for other ops)
-    kind: np.ndarray  # OTHER / MATMUL / CONV / GROUPED_CONV
+    kind: np.ndarray  # OTHER / MATMUL / CONV / GROUPED_CONV / GROUPED_CONV_BACKWARD / NORM
     dtype_bytes: np.ndarray  # element size of the compute op's input (0 for OTHER)
     phase: list[str]
     names: list[str]
@@ -234,9 +248,9 @@ class OpRecorder(TorchDispatchMode):
             in_place = func._schema.name.endswith("_") or not outputs
             moved = read + (max(written, read) if in_place else written)
             fresh = written if created and not in_place else 0
-        kind, size = OTHER, 0
+        kind, size = (NORM if packet.__name__ in _NORMS else OTHER), 0
         if flops:
-            kind = (GROUPED_CONV if _groups(packet, args) > 1 else CONV) if packet in _CONVOLUTIONS else MATMUL
+            kind = _compute_kind(packet, args)
             size = inputs[0].element_size() if inputs else 4
         elements = sum(t.numel() for t in outputs) if packet.__name__.rstrip("_") in _TRANSCENDENTAL else 0
         self._rows.append((self.live, self.live_cuda, self.saved_live, self.grads, flops, moved, fresh, kind, size,

@@ -56,7 +56,7 @@ class FSDPStrategy(DistributedStrategy):
         self.options = options
         self.model_name = model_name
         self.units: list[nn.Module] = []
-        if ctx.device.type == "cpu":
+        if ctx.device.type == "cpu" and options.cpu_release_memory:
             release_large_buffers()  # before the model is built: see allocator.py
 
     def mesh(self) -> DeviceMesh:
