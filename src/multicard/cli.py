@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     except MulticardError as exc:
         env = detect_env()
         where = f" (rank {env.rank})" if env.world_size > 1 else ""
-        print(f"multicard: error{where}: {exc}", file=sys.stderr)
+        say_line(f"multicard: error{where}: {exc}")
         if env.launched and env.world_size > 1:
             # End now, before interpreter shutdown closes this rank's connections: a peer that
             # loses them must not exit first, or the launcher would report its error, not ours.
@@ -284,20 +284,31 @@ def main(argv: list[str] | None = None) -> int:
         return _communication_failed(code)
 
 
+def say_line(line: str) -> None:
+    """One line to stderr in one write: ranks share the launcher's stderr, and a line printed in
+    two writes (text, then newline, as print does on an unbuffered stream) can interleave with
+    another rank's."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured, replaced)
+        print(line, file=sys.stderr)
+        return
+    sys.stderr.flush()
+    os.write(fd, f"{line}\n".encode())
+
+
 def _communication_failed(code: ExitCode) -> int:
     """One line, or none where multicard's launcher reports the rank that caused it."""
     env = detect_env()
     if code == ExitCode.STALLED:
-        print(
+        say_line(
             f"multicard: error (rank {env.rank}): a collective waited longer than dist_timeout_s for another rank; "
-            f"a rank is stuck or stopped (see the stall report, if any) — fix it or raise dist_timeout_s",
-            file=sys.stderr,
+            f"a rank is stuck or stopped (see the stall report, if any) — fix it or raise dist_timeout_s"
         )
     elif env.launcher_pid is None:
-        print(
+        say_line(
             f"multicard: error (rank {env.rank}): lost the connection to another rank, which failed or was "
-            f"stopped (its own message, or the launcher's, says which)",
-            file=sys.stderr,
+            f"stopped (its own message, or the launcher's, says which)"
         )
     sys.stderr.flush()
     sys.stdout.flush()
