@@ -70,9 +70,12 @@ def test_a_stopped_rank_is_named_silent(tmp_path):
     wait_for(lambda: (tmp_path / "out" / "metrics.jsonl").exists(), what="training to start")
     wait_for(lambda: worker_pid(launcher.pid, 1) is not None, what="rank 1")
     os.kill(worker_pid(launcher.pid, 1), signal.SIGSTOP)
-    line, took = stalled(launcher, tmp_path, time.time())
+    since = time.time()
+    line, took = stalled(launcher, tmp_path, since)
     assert re.search(r"rank 1 is silent \(no heartbeat for \d+\+ s: stopped or gone\?\)", line), line
     assert took <= STALL_S + 10
+    # the stopped rank was ended with the job, not left to the launcher's 30 s termination grace
+    assert time.time() - since <= STALL_S + 10
     assert not (tmp_path / "out" / "stall" / "rank-1.txt").exists()  # it could not answer
 
 

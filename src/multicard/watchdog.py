@@ -167,6 +167,9 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="multicard-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        # The first heartbeat now, before training: a rank stopped before the thread's first beat
+        # would otherwise be unknown to the others (no pid to end it by when aborting).
+        self._write_beat(time.monotonic())
         self._thread.start()
         return self
 
@@ -186,15 +189,18 @@ class Watchdog:
                 return
             self.cost.add(time.perf_counter() - wall, time.thread_time() - cpu)
 
-    def _tick(self) -> None:
+    def _write_beat(self, now: float) -> None:
         progress, step, phase = self.state()
         self._beat += 1
-        now = time.monotonic()
         if not self._steps or self._steps[-1][0] != step:
             self._steps = [*self._steps[-49:], (step, now)]
         host, (where, waiting) = socket.gethostname(), main_thread_location()
         mine = Beat(self.rank, self._beat, progress, step, phase, where, waiting, host, os.getpid())
         self.store.set(f"health/{self.rank}", json.dumps(mine.__dict__))
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._write_beat(now)
         beats = {b.rank: b for b in (Beat(**json.loads(v)) for v in self._read_heartbeats())}
         for r, b in beats.items():
             old = self._seen[r]
