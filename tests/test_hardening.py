@@ -361,12 +361,14 @@ def _source_text() -> str:
 
 
 # What the catalogue writes where the code fills in a value: example values after '=', numbers,
-# capitalised placeholders (X, N, HOST), exception names, quoted names, paths, the ellipsis, and
-# reasons in parentheses (ours wrap what the OS or a library said).
+# capitalised placeholders (X, N, HOST), exception names, quoted names, dotted config keys, paths,
+# the ellipsis, and reasons in parentheses (ours wrap what the OS or a library said).
 EXAMPLE = re.compile(
-    r"--[\w-]+(?: [^\s;,()]+)?|=[^\s;,)]+|\b[A-Z][A-Z_0-9]*\b|\b\w*Error\b|\d+(?:\.\d+)?|…|'[^']*'|\S*/\S*|\([^)]*\)"
+    r"--[\w-]+(?: [^\s;,()]+)?|=[^\s;,)]+|\b[A-Z][A-Z_0-9]*\b|\b\w*Error\b|\d+(?:\.\d+)?|…|'[^']*'"
+    r"|\b[a-z_]+(?:\.[a-z_]+)+\b|\S*/\S*|\([^)]*\)"
 )
-EXTERNAL = ("unrecognized arguments",)  # argparse's words inside our line
+# Library words inside our line: argparse's, and omegaconf's reasons for a value of the wrong type.
+EXTERNAL = ("unrecognized arguments", "could not be converted", "is not a valid bool")
 
 
 def test_15_every_message_in_the_catalogue_is_still_produced_by_the_code():
