@@ -25,9 +25,11 @@ demo: $(VENV)/.installed
 	@devices=$$($(PY) -c "import torch; print('auto' if torch.cuda.device_count() >= 2 else 'cpu')"); \
 	$(VENV)/bin/multicard train --config configs/demo.yaml --nproc-per-node 2 devices=$$devices train.resume=never
 
+# Two test processes: most tests wait on subprocesses (torch imports, rendezvous, loaders) and leave
+# a core idle; a file's tests stay in one process so its module fixtures are built once.
 test: $(VENV)/.installed-dev
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The unit tests alone (no multi-process or end-to-end runs): under a minute, for work in progress.
 test-fast: $(VENV)/.installed-dev
