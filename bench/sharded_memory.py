@@ -3,7 +3,8 @@ the same config to its end.
 
 Each rank runs in a cgroup (v1) of its own, started as torchrun would start it (RANK, WORLD_SIZE,
 MASTER_ADDR...), so the cap is per process and the kernel's out-of-memory killer enforces it.
-First both strategies run uncapped and each cgroup's peak is read; then both run again under a
+First both strategies run uncapped and each cgroup's peak is read (fsdp with
+fsdp.cpu_release_memory=true, what its default `auto` picks under a cap); then both run again under a
 cap between fsdp's peak and ddp's (or --cap-mib). Needs root and cgroup v1's memory controller.
 
     python bench/sharded_memory.py [--cap-mib N] [--out runs/bench-sharded-memory] [KEY=VALUE ...]
@@ -83,6 +84,8 @@ def run(strategy: str, cap: int | None, out: Path, extra: list[str]) -> dict:
     """ddp×2 or fsdp×2, each rank in its own cgroup; exit codes, peaks and out-of-memory kills."""
     port, world = free_port(), 2
     run_dir = out / f"{strategy}-{'capped' if cap else 'free'}"
+    if strategy == "fsdp" and cap is None:  # what fsdp.cpu_release_memory=auto picks under the cap
+        extra = [*extra, "fsdp.cpu_release_memory=true"]
     argv = [sys.executable, "-m", "multicard", "train", *WORKLOAD, f"strategy={strategy}", f"out_dir={run_dir}", *extra]
     caps = [MemoryCap(f"{strategy}-r{rank}", cap) for rank in range(world)]
     for c in caps:

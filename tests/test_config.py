@@ -38,6 +38,8 @@ def test_cli_overrides_beat_yaml_which_beats_defaults(tmp_path):
         ("devices=gpu", "devices=gpu must be auto, cpu"),
         ("devices=[0,0]", "lists a GPU twice"),
         ("train.epochs", "is not KEY=VALUE"),
+        ("fsdp.reshard_after_forward=maybe", "fsdp.reshard_after_forward: Value 'maybe' is not a valid bool"),
+        ("fsdp.cpu_release_memory=maybe", "fsdp.cpu_release_memory=maybe is not one of auto, true, false"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(override, fragment):

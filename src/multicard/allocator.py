@@ -9,9 +9,10 @@ system as soon as they are freed: the same rank peaked at 1.5 GB.
 The price is time: every large buffer is a fresh mapping whose pages fault in when written. On
 vit_b_16 at 4 images per rank a step took 7.9 s with the threshold fixed against 6.2 s with
 glibc's own (peak 3.0 GB), 7.5 s fixed at 16 MiB (2.2 GB), 6.5 s at 32 MiB (3.2 GB); trimming
-the heap after every step saved neither. Sharded training is chosen to save memory, so memory
-wins here; larger micro-batches amortise the faults (docs/benchmarks.md). It would slow ddp,
-which reallocates its gradients every step, by half: so it is fsdp's alone.
+the heap after every step saved neither. So it is a choice (fsdp.cpu_release_memory): by default
+memory wins where it can end the job, under a memory limit (a cgroup's: Slurm, containers), and
+speed wins elsewhere; larger micro-batches amortise the faults (docs/benchmarks.md). It would
+slow ddp, which reallocates its gradients every step, by half: so it is fsdp's alone.
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ from __future__ import annotations
 import ctypes
 import sys
 
+from multicard.host_memory import cgroup_limit
+
 M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc's malloc.h)
 LARGE = 128 * 1024  # bytes: glibc's initial threshold, now kept fixed
 # Bytes: the highest glibc raises its threshold to on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), so
 # even without the fix an allocation this large is a fresh mapping each time.
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+
+
+def wants_release(setting: str, capped: bool | None = None) -> bool:
+    """fsdp.cpu_release_memory resolved: true, false, or auto — true under a memory limit
+    (`capped`; by default whether this process's cgroup has one)."""
+    setting = setting.lower()
+    if setting == "auto":
+        return cgroup_limit() is not None if capped is None else capped
+    return setting == "true"
 
 
 def release_large_buffers() -> bool:

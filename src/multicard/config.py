@@ -135,9 +135,10 @@ class FSDPConfig:
     min_unit_params: int = 1_000_000
     # nodes: HSDP — shard inside each node, replicate across nodes (a 2-D device mesh); none: shard over all
     replicate: str = "none"
-    # CPU only: hand freed unit-sized buffers back to the system at once (least memory; each step's
-    # buffers then fault their pages in anew: slower). false: glibc keeps them (faster, more resident)
-    cpu_release_memory: bool = True
+    # CPU only: true hands freed unit-sized buffers back to the system at once (least memory; each
+    # step's buffers then fault their pages in anew: slower); false lets glibc keep them (faster, more
+    # resident); auto: true where the process runs under a memory limit (a cgroup's), else false
+    cpu_release_memory: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,7 @@ def validate(cfg: Config) -> None:
     stall_seconds(cfg.debug)
     _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
     _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
+    _choice(cfg.fsdp.cpu_release_memory.lower(), "fsdp.cpu_release_memory", ("auto", "true", "false"))
     _choice(cfg.checkpoint.format, "checkpoint.format", CHECKPOINT_FORMATS)
     _positive(cfg.fsdp.min_unit_params, "fsdp.min_unit_params")
     _positive(cfg.ddp.bucket_cap_mb, "ddp.bucket_cap_mb")

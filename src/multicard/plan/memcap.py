@@ -16,28 +16,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path("/sys/fs/cgroup/memory")
+from multicard.host_memory import own_cgroup_v1
+
 PREFIX = "multicard-cap-"
-
-
-def own_cgroup() -> Path | None:
-    """This process's memory cgroup directory, or None without a cgroup v1 memory hierarchy."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if "memory" in controllers.split(","):
-                where = ROOT / path.lstrip("/")
-                return where if where.is_dir() else None
-    except OSError:
-        pass
-    return None
 
 
 def available() -> str:
     """'' if memory caps work here, else why not."""
     if os.geteuid() != 0:
         return "needs root (to make cgroups)"
-    parent = own_cgroup()
+    parent = own_cgroup_v1()
     if parent is None:
         return "no cgroup v1 memory hierarchy at /sys/fs/cgroup/memory"
     if not os.access(parent, os.W_OK):
@@ -49,7 +37,7 @@ class MemoryCap:
     """`with MemoryCap(limit) as cap: code = cap.run(argv)`; the cgroup is gone after the block."""
 
     def __init__(self, limit_bytes: int | None) -> None:
-        parent = own_cgroup()
+        parent = own_cgroup_v1()
         if parent is None:
             raise RuntimeError(available())
         self.path = parent / f"{PREFIX}{uuid.uuid4().hex[:10]}"
@@ -116,7 +104,7 @@ def remove(path: Path, timeout: float = 10.0) -> None:
 
 def remove_stale() -> None:
     """Empty caps left by a run that was itself killed before it could remove them."""
-    parent = own_cgroup()
+    parent = own_cgroup_v1()
     for child in parent.glob(f"{PREFIX}*") if parent is not None else []:
         if not (child / "cgroup.procs").read_text().split():
             child.rmdir()

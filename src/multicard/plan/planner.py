@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from multicard.allocator import wants_release
 from multicard.config import Config, load_config, to_dict, with_overrides
 from multicard.data.sampling import BatchPlan
 from multicard.errors import UserError
@@ -113,7 +114,7 @@ def _time(model: StepModel, c: Candidate, target: Target, cfg: Config, n: int, a
         replicas=target.gpus if c.kind == "dp" else 1,
         shard_per_node=target.gpus if c.key == "hsdp" else None,
         reshard_after_forward=c.key != "zero2",
-        release_memory=cfg.fsdp.cpu_release_memory,
+        release_memory=target.gpu is None and wants_release(cfg.fsdp.cpu_release_memory, target.capped),
         compute_bytes=ELEMENT[cfg.precision],  # FSDP gathers parameters in the compute dtype
         comm_bytes=2 if compressed else (8 if cfg.precision == "fp64" else 4),  # gradients keep the parameters' dtype
         bucket_bytes=cfg.ddp.bucket_cap_mb * 2**20,

@@ -7,11 +7,10 @@ with X GB per process. Rates on this machine come from `--calibrate` (calibrate.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from multicard.errors import UserError
+from multicard.host_memory import available_memory, cgroup_limit
 from multicard.plan.calibrate import Calibration
 from multicard.plan.hardware import CUDA_CONTEXT_BYTES, FSDP_UNIT_HOST_S, NCCL_BYTES, Gpu, find_gpu
 from multicard.plan.links import DEFAULT_BETWEEN_NODES, Link, find_link, per_gpu_bandwidth
@@ -19,27 +18,6 @@ from multicard.plan.timing import Net, Rates
 from multicard.process_group import cpu_cores
 
 GB = 10**9
-
-
-def machine_memory() -> int:
-    """Bytes this machine can give processes: MemAvailable, or this cgroup's limit if lower."""
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            available = min(available, int(text))
-    return available
 
 
 @dataclass(frozen=True)
@@ -61,13 +39,18 @@ class Target:
     def devices(self) -> int:
         return self.gpus * self.nodes
 
+    @property
+    def capped(self) -> bool:
+        """Whether processes run under a memory limit: --memory-gb, or this process's cgroup's."""
+        return self.memory_per_process is not None or cgroup_limit() is not None
+
     def memory(self, processes_per_node: int) -> int:
         """Bytes one process (one GPU) may use."""
         if self.memory_per_process is not None:
             return self.memory_per_process
         if self.gpu is not None:
             return self.gpu.memory_bytes
-        return machine_memory() // max(1, processes_per_node)
+        return available_memory() // max(1, processes_per_node)
 
     def runtime_bytes(self, distributed: bool, loader: str) -> int:
         """Memory a process uses besides tensors: CUDA context and NCCL, or the interpreter, torch

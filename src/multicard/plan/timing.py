@@ -9,8 +9,8 @@ device's sum and the host's. CPU: FLOPs / R + bytes / BW, with rates measured on
 matmuls, BW apart for normalisations (which read their input twice); an op's writes into new tensors
 at or above glibc's mmap threshold cost 1 / BW_fresh: such an allocation is a fresh mapping
 whose pages fault in as they are written, where a smaller one reuses memory already touched.
-The threshold rises to 32 MiB as a process runs; fsdp fixes it at 128 KiB (allocator.py) unless
-fsdp.cpu_release_memory=false.
+The threshold rises to 32 MiB as a process runs; fsdp fixes it at 128 KiB (allocator.py) where
+fsdp.cpu_release_memory resolves to true (by default: under a memory limit, as --memory-gb plans).
 
 Communication (ring algorithms, NCCL/gloo): all-reduce moves 2(g-1)/g of the bytes over each
 GPU's link, all-gather and reduce-scatter (g-1)/g; across nodes the slower of the two links

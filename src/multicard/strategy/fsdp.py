@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from multicard.allocator import release_large_buffers
+from multicard.allocator import release_large_buffers, wants_release
 from multicard.compilation import compile_in_place
 from multicard.config import FSDPConfig
 from multicard.precision import Precision
@@ -56,7 +56,7 @@ class FSDPStrategy(DistributedStrategy):
         self.options = options
         self.model_name = model_name
         self.units: list[nn.Module] = []
-        if ctx.device.type == "cpu" and options.cpu_release_memory:
+        if ctx.device.type == "cpu" and wants_release(options.cpu_release_memory):
             release_large_buffers()  # before the model is built: see allocator.py
 
     def mesh(self) -> DeviceMesh:
