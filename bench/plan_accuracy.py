@@ -7,7 +7,7 @@ so the measured steps are multicard's own loop. Memory: the profiler's allocatio
 (CPU). Time: wall time of a step, the fastest of --steps and their median (other work on a shared
 machine slows some steps); calibrate first (--calibrate) for meaningful times.
 
-    python bench/plan_accuracy.py [--calibrate] [--quick] [--out runs/plan-accuracy]
+    python bench/plan_accuracy.py [--calibrate] [--quick] [--strategies single,ddp,zero3] [--out runs/plan-accuracy]
     python bench/plan_accuracy.py --rescore runs/plan-accuracy/accuracy.json
 
 --rescore predicts the measured rows of an earlier run again with the planner as it is now and
@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--calibrate", action="store_true", help="run multicard plan --calibrate first")
     p.add_argument("--quick", action="store_true", help="one small case (a smoke test of this script)")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--strategies", default="single,ddp,zero3", help="measure only these (e.g. zero3)")
     p.add_argument("--out", type=Path, default=Path("runs/plan-accuracy"))
     p.add_argument("--rescore", type=Path, help="accuracy.json of an earlier run: predict its rows again")
     args = p.parse_args()
@@ -93,7 +94,10 @@ def main() -> int:
         stored = json.loads(args.rescore.read_text())["rows"]
     for model, size, micros in [] if args.rescore else QUICK if args.quick else CASES:
         for micro in micros:
-            for strategies, processes in RUNS:
+            for run_strategies, processes in RUNS:
+                strategies = ",".join(k for k in run_strategies.split(",") if k in args.strategies.split(","))
+                if not strategies:
+                    continue
                 data = plan_json(model, size, micro, strategies, processes, args.steps, args.out / "last")
                 for key, m in data["measured"].items():
                     if key not in strategies.split(","):
