@@ -21,7 +21,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from multicard.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
-from multicard.process_group import LAUNCHER_PID, available_memory, cpu_cores, wait_for_master
+from multicard.host_memory import available_memory
+from multicard.process_group import LAUNCHER_PID, cpu_cores, wait_for_master
 
 # The agent forwards these to the workers: they checkpoint and exit 128 + signal, or quit at
 # once on SIGQUIT (stopping.py).
@@ -73,7 +74,7 @@ def check_cpu_capacity(nproc: int, oversubscribe: bool) -> None:
             f"use --nproc-per-node {cores} or fewer, or add --oversubscribe"
         )
     memory = available_memory()
-    if memory is not None and nproc * WORKER_MEMORY > memory:
+    if nproc * WORKER_MEMORY > memory:
         fits = max(1, memory // WORKER_MEMORY)
         raise UserError(
             f"--nproc-per-node {nproc} CPU processes need about {nproc * WORKER_MEMORY / 2**30:.1f} GiB, more than the "

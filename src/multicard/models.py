@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torchvision
 
 from multicard.errors import UserError
 
 
 def resnet18_cifar(num_classes: int, **kwargs: Any) -> nn.Module:
     """ResNet-18 for 32×32 inputs: a 3×3 stride-1 stem and no max-pool."""
+    import torchvision  # imported where used: see build_model
+
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes, **kwargs)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
@@ -139,6 +140,14 @@ def _import_factory(spec: str) -> Callable[..., nn.Module]:
     return factory
 
 
+def torchvision_models() -> Any:
+    """torchvision.models, imported on first use: the import takes about a second (it pulls in
+    torch's compiler), which processes that build our own models or none should not pay."""
+    import torchvision.models
+
+    return torchvision.models
+
+
 def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = None) -> nn.Module:
     """Build an untrained classifier with `num_classes` outputs."""
     kwargs = dict(kwargs or {})
@@ -148,9 +157,9 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
         factory = _import_factory(name)
     elif name in BUILTIN:
         factory = BUILTIN[name]
-    elif name in torchvision.models.list_models(module=torchvision.models):
+    elif name in torchvision_models().list_models(module=torchvision_models()):
         def factory(num_classes: int, **kw: Any) -> nn.Module:
-            return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kw)
+            return torchvision_models().get_model(name, weights=None, num_classes=num_classes, **kw)
     else:
         raise UserError(
             f"model.name={name} is unknown: use a torchvision classification model (e.g. resnet18), "

@@ -224,18 +224,6 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def available_memory() -> int | None:
-    """Bytes this machine can still give processes (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def threads_per_process(requested: int, local_world_size: int) -> int:
     """`threads` if set, else this machine's cores shared out among its processes."""
     if requested:

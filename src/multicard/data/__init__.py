@@ -31,7 +31,8 @@ from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
 from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
 from multicard.errors import UserError
-from multicard.process_group import ProcessContext, available_memory, cpu_cores
+from multicard.host_memory import available_memory
+from multicard.process_group import ProcessContext, cpu_cores
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
 MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory
@@ -84,7 +85,7 @@ def check_synthetic_fits(d: DataConfig) -> None:
     """The embedded dataset is generated in every process's memory: refuse sizes that would not fit."""
     needed = (d.train_size + d.val_size) * 3 * d.image_size**2 * SYNTHETIC_OVERHEAD
     available = available_memory()
-    if available is not None and needed > available // MEMORY_SHARE:
+    if needed > available // MEMORY_SHARE:
         raise UserError(
             f"data.train_size={d.train_size} synthetic images of {d.image_size} px take about {needed / 2**30:.1f} GiB "
             f"per process to generate, more than a quarter of the memory available; lower data.train_size "

@@ -12,7 +12,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torchvision.transforms.v2 import functional as TF
 
 from multicard.atomic import save_atomic
 from multicard.data.encoded import EncodedImage
@@ -40,6 +39,8 @@ def fit_square(image: torch.Tensor, size: int) -> torch.Tensor:
     """Resize the shorter side to `size`, then centre-crop to size × size (a no-op when it fits)."""
     if image.shape[-2:] == (size, size):
         return image
+    from torchvision.transforms.v2 import functional as TF  # imported where used: see models.py
+
     image = TF.resize(image, [size], antialias=True)
     return TF.center_crop(image, [size, size])
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from multicard.errors import UserError
 
@@ -79,6 +78,8 @@ def _class_images(directory: Path, class_dir: str) -> list[str]:
     Anything that is not a regular file behind an image name (a FIFO, a socket, a link to
     nothing) is an error naming it: reading it would hang or fail mid-epoch.
     """
+    from torchvision.datasets.folder import IMG_EXTENSIONS  # imported where used: see models.py
+
     found = []
     for root, _, files in sorted(os.walk(directory / class_dir, followlinks=True)):
         if any(_hidden(part) for part in Path(root).relative_to(directory).parts):

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torchvision.transforms.v2 import functional as TF
 
 from multicard.data.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
 from multicard.data.decode import fit_square
@@ -81,6 +80,8 @@ class FitSquare:
         self.resize = resize or size
 
     def __call__(self, image: Picture, epoch: int, index: int) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as TF  # imported where used: see models.py
+
         if is_small(self.size):  # the device loader's pixels exactly: decoded in full, then fit
             pixels = image.tensor() if isinstance(image, EncodedImage) else image
             if self.resize == self.size:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torchvision
 
 from multicard.config import FSDPConfig, ModelConfig
 from multicard.errors import UserError
@@ -22,7 +21,9 @@ def _params(module: nn.Module) -> int:
 
 def family_units(model: nn.Module) -> list[nn.Module] | None:
     """The units of a known family, or None."""
-    tv = torchvision.models
+    from multicard.models import torchvision_models
+
+    tv = torchvision_models()
     if isinstance(model, tv.ResNet):  # each BasicBlock / Bottleneck
         return [m for m in model.modules() if isinstance(m, (tv.resnet.BasicBlock, tv.resnet.Bottleneck))]
     if isinstance(model, tv.VisionTransformer):  # each encoder block
