@@ -18,15 +18,15 @@ import os
 import sys
 from typing import NoReturn
 
-from multicard import __version__, commands
+from multicard import __version__
 from multicard.checkpoint import check_resume_settings
 from multicard.config import load_config, parse_devices, to_dict
 from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.plan.arguments import add_plan_parser
+from multicard.preflight import check_extras, prepare_out_dir
 from multicard.process_group import ProcessEnv, communication_failure, detect_env, die_with_launcher, resolve_gpus
 from multicard.run_lock import RunLock
-from multicard.strategy.fsdp_units import check_units
 from multicard.topology import resolve
 from multicard.verify.checks import FAULTS
 
@@ -192,15 +192,19 @@ def _train(args: argparse.Namespace) -> int:
         # ddp or fsdp asked for without a launcher: one worker per GPU in use (one on CPU).
         options = LaunchOptions(nproc_per_node=max(1, len(resolve_gpus(parse_devices(cfg.devices)))))
     if options is None:
+        from multicard import commands  # the training stack, loaded where it runs: not in a launcher
+
         commands.train(cfg, env)
         return ExitCode.OK
     topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
     if not topology.gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
     if topology.strategy == "fsdp":
+        from multicard.strategy.fsdp_units import check_units  # the strategies' package loads torch's sharding stack
+
         check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
-    commands.check_extras(cfg)
-    out_dir = commands.prepare_out_dir(cfg.out_dir)
+    check_extras(cfg)
+    out_dir = prepare_out_dir(cfg.out_dir)
     check_resume_settings(out_dir / "checkpoints", cfg.train.resume, to_dict(cfg))
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
     with RunLock(out_dir) as lock:
@@ -210,6 +214,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from multicard import commands
+
     env = detect_env()
     options = _launch_options(args, env)
     if options is None:
@@ -246,6 +252,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from multicard import commands
+
     commands.export(args.checkpoint, args.out)
     return ExitCode.OK
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,29 +13,13 @@ from multicard.checkpoint.compat import check_classes
 from multicard.config import Config, config_from_dict, to_yaml
 from multicard.data import build_data
 from multicard.errors import UserError
+from multicard.preflight import check_extras, prepare_out_dir
 from multicard.process_group import ProcessEnv, teardown
 from multicard.run_lock import RunLock
 from multicard.session import open_session, seeded_model, start_process
-from multicard.telemetry import Reporter, TensorBoardLog, TrainingLog, tensorboard_writer
+from multicard.telemetry import Reporter, TensorBoardLog, TrainingLog
 from multicard.topology import Topology, resolve
 from multicard.trainer import Callback, EvalResult, evaluate
-
-
-def prepare_out_dir(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"out_dir={path} cannot be created ({exc.strerror}); choose a writable out_dir") from None
-    if not os.access(out, os.W_OK):
-        raise UserError(f"out_dir={path} is not writable; choose a writable out_dir")
-    return out
-
-
-def check_extras(cfg: Config) -> None:
-    """Optional packages the config asks for are installed (one line naming the extra if not)."""
-    if cfg.log.tensorboard:
-        tensorboard_writer()
 
 
 def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:

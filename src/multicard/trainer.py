@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,7 +43,9 @@ from multicard.phases import (
 )
 from multicard.precision import Precision
 from multicard.stopping import GracefulStop
-from multicard.strategy import Strategy
+
+if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
+    from multicard.strategy import Strategy
 
 OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")  # param-group entries that choose kernels, not maths
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -24,8 +24,10 @@ from multicard.checkpoint.single_file import SingleFile
 from multicard.config import CheckpointConfig
 from multicard.errors import Stopped, UserError
 from multicard.phases import CHECKPOINT, IDLE
-from multicard.strategy import Strategy
 from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
+
+if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
+    from multicard.strategy import Strategy
 
 FORMATS = {"file": SingleFile(), "sharded": Sharded()}
 

@@ -20,10 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from multicard.atomic import save_atomic, symlink_atomic, write_text_atomic
 from multicard.errors import UserError
@@ -92,7 +88,8 @@ class Sharded:
         ctx.barrier()
         tensors = {k: state[k] for k in TENSORS}
         # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        dcp = _dcp()
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         with _unwritable(path):
             if background is None:
                 dcp.save(tensors, checkpoint_id=tmp, planner=planner)
@@ -136,13 +133,14 @@ class Sharded:
             tensors = {"model": self._whole_tensors(path, "model", device="cpu")}
         else:
             tensors = {k: template[k] for k in TENSORS}
+        dcp = _dcp()
         try:
             with warnings.catch_warnings():
                 # Whole tensors are read by each process alone, with or without a process group
                 # (DCP warns that it assumes so when there is none: that is the intent).
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 dcp.load(tensors, checkpoint_id=path, no_dist=template is None)
-        except (CheckpointException, RuntimeError, KeyError) as exc:
+        except (dcp.CheckpointException, RuntimeError, KeyError) as exc:
             raise UserError(f"checkpoint {path} cannot be loaded into this run ({_first_line(exc)})") from None
         return {**meta, **tensors}
 
@@ -171,13 +169,22 @@ class Sharded:
     @staticmethod
     def _whole_tensors(path: Path, key: str, device: str) -> dict[str, torch.Tensor]:
         """Empty whole tensors of `key`'s entries, shaped as saved (DCP's metadata holds the shapes)."""
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        dcp = _dcp()
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         prefix = f"{key}."
         return {
             name[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype, device=device)
             for name, m in metadata.items()
-            if name.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+            if name.startswith(prefix) and isinstance(m, dcp.metadata.TensorStorageMetadata)
         }
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor and sympy (over
+    half a second), which a launcher that only reads a checkpoint's settings should not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 @contextmanager
@@ -185,7 +192,7 @@ def _unwritable(path: Path) -> Iterator[None]:
     """A failed write (disk full, quota) in one line; CheckpointException is a BaseException."""
     try:
         yield
-    except (CheckpointException, OSError) as exc:
+    except (_dcp().CheckpointException, OSError) as exc:
         raise UserError(
             f"cannot write {path} ({_first_line(exc)}); free space in {path.parent} or choose another out_dir "
             f"(earlier checkpoints are intact)"
