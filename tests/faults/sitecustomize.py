@@ -6,7 +6,9 @@ MULTICARD_FAULT_STEP). multicard itself has no hook for this: the fault is patch
 
 - data: the rank's data loader blocks for good;
 - skip: the rank skips the metrics all-reduce the others enter, and then blocks elsewhere;
-- slow-data: the rank's data loader takes MULTICARD_FAULT_MS longer per batch (a straggler).
+- slow-data: the rank's data loader takes MULTICARD_FAULT_MS longer per batch (a straggler);
+- slow-steps: every optimizer step of the rank takes MULTICARD_FAULT_MS longer, whatever the loader
+  (a short job that lasts long enough for a test to act while it runs, at little CPU).
 When a blocking fault fires, the file MULTICARD_FAULT_MARK is written (the test's clock starts).
 """
 
@@ -41,6 +43,15 @@ def _install() -> None:
                 yield batch
 
         DeviceTrainLoader.__iter__ = batches
+    elif FAULT == "slow-steps":
+        original_step = Trainer._step
+        pause = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000
+
+        def step(self, batches, callbacks):
+            time.sleep(pause)
+            return original_step(self, batches, callbacks)
+
+        Trainer._step = step
     elif FAULT == "skip":
         original_reduce = Trainer._reduce_window
 
