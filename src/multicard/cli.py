@@ -25,7 +25,14 @@ from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.plan.arguments import add_plan_parser
 from multicard.preflight import check_extras, prepare_out_dir
-from multicard.process_group import ProcessEnv, communication_failure, detect_env, die_with_launcher, resolve_gpus
+from multicard.process_group import (
+    ProcessEnv,
+    communication_failure,
+    detect_env,
+    die_with_launcher,
+    end_process,
+    resolve_gpus,
+)
 from multicard.run_lock import RunLock
 from multicard.topology import resolve
 from multicard.verify.checks import FAULTS
@@ -195,6 +202,8 @@ def _train(args: argparse.Namespace) -> int:
         from multicard import commands  # the training stack, loaded where it runs: not in a launcher
 
         commands.train(cfg, env)
+        if env.launched and cfg.strategy == "fsdp":
+            end_process(ExitCode.OK)  # done and checkpointed: see end_process
         return ExitCode.OK
     topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
     if not topology.gpus:
@@ -278,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if env.launched and env.world_size > 1:
             # End now, before interpreter shutdown closes this rank's connections: a peer that
             # loses them must not exit first, or the launcher would report its error, not ours.
-            sys.stderr.flush()
-            sys.stdout.flush()
-            os._exit(exc.exit_code)
+            end_process(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)
@@ -318,6 +325,4 @@ def _communication_failed(code: ExitCode) -> int:
             f"multicard: error (rank {env.rank}): lost the connection to another rank, which failed or was "
             f"stopped (its own message, or the launcher's, says which)"
         )
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(code)
+    end_process(code)

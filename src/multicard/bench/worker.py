@@ -29,7 +29,7 @@ from multicard.bench.measure import (
 from multicard.config import Config, config_from_dict
 from multicard.errors import MulticardError
 from multicard.phases import split
-from multicard.process_group import detect_env, die_with_launcher
+from multicard.process_group import detect_env, die_with_launcher, end_process
 from multicard.session import Session, open_session
 from multicard.trainer import Callback, StepEnd, Trainer, peak_memory_mb
 
@@ -146,4 +146,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))  # the cell's result is written: see end_process

@@ -9,7 +9,6 @@ then `warmup` untimed and `steps` timed steps. Rank 0 writes every rank's number
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ from multicard.bench.measure import raw_allreduce_ms
 from multicard.config import Config, config_from_dict, parse_devices
 from multicard.phases import split
 from multicard.plan.allocations import window_peak
-from multicard.process_group import detect_env, die_with_launcher, resolve_gpus
+from multicard.process_group import detect_env, die_with_launcher, end_process, resolve_gpus
 from multicard.session import open_session
 from multicard.trainer import Callback, StepEnd, Trainer
 
@@ -125,10 +124,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # End without the interpreter's shutdown: in about 1 of 5 fsdp measurements its C++ teardown
-    # aborted (SIGABRT, "terminate called without an active exception": a native thread still
-    # running at exit) after everything was measured and written; 0 of 16 since.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_process(main(sys.argv[1:]))  # everything is measured and written: see end_process

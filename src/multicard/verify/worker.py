@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from multicard.config import config_from_dict
-from multicard.process_group import detect_env, die_with_launcher
+from multicard.process_group import detect_env, die_with_launcher, end_process
 from multicard.session import open_session
 from multicard.trainer import evaluate
 
@@ -70,4 +70,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))  # the rank's result is written: see end_process
