@@ -16,9 +16,7 @@ from multicard.errors import UserError
 
 def resnet18_cifar(num_classes: int, **kwargs: Any) -> nn.Module:
     """ResNet-18 for 32×32 inputs: a 3×3 stride-1 stem and no max-pool."""
-    import torchvision  # imported where used: see build_model
-
-    model = torchvision.models.resnet18(weights=None, num_classes=num_classes, **kwargs)
+    model = torchvision_models().resnet18(weights=None, num_classes=num_classes, **kwargs)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
@@ -157,9 +155,9 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
         factory = _import_factory(name)
     elif name in BUILTIN:
         factory = BUILTIN[name]
-    elif name in torchvision_models().list_models(module=torchvision_models()):
+    elif name in (tv := torchvision_models()).list_models(module=tv):
         def factory(num_classes: int, **kw: Any) -> nn.Module:
-            return torchvision_models().get_model(name, weights=None, num_classes=num_classes, **kw)
+            return tv.get_model(name, weights=None, num_classes=num_classes, **kw)
     else:
         raise UserError(
             f"model.name={name} is unknown: use a torchvision classification model (e.g. resnet18), "
