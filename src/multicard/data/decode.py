@@ -10,6 +10,7 @@ import hashlib
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,12 +36,19 @@ def read_image(path: Path) -> EncodedImage:
     return EncodedImage.read(path)
 
 
+def resize_ops() -> Any:
+    """torchvision's functional transforms, imported on first use: torchvision's import takes about
+    a second (see models.torchvision_models), which runs that never resize should not pay."""
+    from torchvision.transforms.v2 import functional
+
+    return functional
+
+
 def fit_square(image: torch.Tensor, size: int) -> torch.Tensor:
     """Resize the shorter side to `size`, then centre-crop to size × size (a no-op when it fits)."""
     if image.shape[-2:] == (size, size):
         return image
-    from torchvision.transforms.v2 import functional as TF  # imported where used: see models.py
-
+    TF = resize_ops()
     image = TF.resize(image, [size], antialias=True)
     return TF.center_crop(image, [size, size])
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from multicard.data.decode import resize_ops
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.encoded import EncodedImage
 from multicard.data.jpeg_plan import Crop, EncodedBatch
@@ -53,9 +54,7 @@ def apply_crop(image: torch.Tensor, crop: Crop, size: int) -> torch.Tensor:
     region = image[:, box.top : box.top + box.height, box.left : box.left + box.width].float()
     if (crop.height, crop.width) != (box.height, box.width):
         region = F.interpolate(region[None], size=(crop.height, crop.width), mode="bilinear", antialias=True)[0]
-    from torchvision.transforms.v2 import functional as TF  # imported where used: see models.py
-
-    return TF.center_crop(region, [size, size]) if (crop.height, crop.width) != (size, size) else region
+    return resize_ops().center_crop(region, [size, size]) if (crop.height, crop.width) != (size, size) else region
 
 
 class GpuDecode(DeviceTransform):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from multicard.data.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
-from multicard.data.decode import fit_square
+from multicard.data.decode import fit_square, resize_ops
 from multicard.data.encoded import EncodedImage
 
 SMALL_IMAGE_MAX = 64  # images up to this side use the small-image recipe (crop with padding)
@@ -78,10 +78,12 @@ class FitSquare:
     def __init__(self, size: int, resize: int | None = None) -> None:
         self.size = size
         self.resize = resize or size
+        # Loaded here, in the process that starts the loader's processes, so that they inherit it
+        # instead of each importing torchvision on its first image after the fork.
+        resize_ops()
 
     def __call__(self, image: Picture, epoch: int, index: int) -> torch.Tensor:
-        from torchvision.transforms.v2 import functional as TF  # imported where used: see models.py
-
+        TF = resize_ops()
         if is_small(self.size):  # the device loader's pixels exactly: decoded in full, then fit
             pixels = image.tensor() if isinstance(image, EncodedImage) else image
             if self.resize == self.size:
