@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 from pathlib import Path
@@ -230,6 +231,25 @@ def test_every_training_sample_once_per_epoch_across_ranks(tmp_path, loader):
         assert all(torch.equal(a, b) for a, b in zip(steps, reference, strict=True))  # same global batches
     next_epoch = epoch_ids(cfg, world=2, global_batch=20, epoch=1)
     assert not torch.equal(torch.cat(next_epoch), torch.cat(reference))  # reshuffled each epoch
+
+
+def test_loader_processes_start_when_the_data_is_built_and_serve_every_epoch(tmp_path):
+    """Forked while the run is built (no thread of ours runs yet), before any batch is asked for,
+    and persistent: the same processes serve every epoch, with the device loader's batches."""
+    write_coded_folder(tmp_path / "d" / "train", 100)
+    cfg = folder_config(tmp_path / "d", "data.loader=workers", "data.augment=false", *IDENTITY_NORM)
+    before = set(multiprocessing.active_children())
+    data = build_data(cfg, BatchPlan(20, 1, 1), 0, 1, CPU)
+    started = set(multiprocessing.active_children()) - before
+    assert len(started) == 2  # one for the training loader, one for evaluation
+    device = folder_config(tmp_path / "d", "data.loader=device", "data.augment=false", *IDENTITY_NORM)
+    for epoch in (0, 1):
+        data.train.set_epoch(epoch)
+        ids = torch.cat([decode_ids(x) for x, _ in data.train])
+        assert torch.equal(ids, torch.cat(epoch_ids(device, 1, 20, epoch)))
+    assert set(multiprocessing.active_children()) - before == started
+    data.close()
+    assert not set(multiprocessing.active_children()) & started
 
 
 @pytest.mark.parametrize("loader", ["device", "workers"])

@@ -50,8 +50,20 @@ class SourceImages(Dataset):
         return self.transform(image, epoch, index), src.labels[index], index
 
 
-class _EpochKeys:
-    """Batch sampler adapter: each index travels with its epoch, which keys its randomness."""
+class _Keys:
+    """A batch sampler for DataLoader that can be held `idle` (it then yields no batch)."""
+
+    idle = False
+
+    def batches(self) -> Iterator[list[tuple[int, int]]]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return iter(()) if self.idle else self.batches()
+
+
+class _EpochKeys(_Keys):
+    """Each index travels with its epoch, which keys its randomness."""
 
     def __init__(self, sampler: ShardedBatchSampler) -> None:
         self.sampler = sampler
@@ -59,20 +71,20 @@ class _EpochKeys:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def batches(self) -> Iterator[list[tuple[int, int]]]:
         for indices in self.sampler:
             yield [(self.sampler.epoch, i) for i in indices.tolist()]
 
 
-class _EvalKeys:
+class _EvalKeys(_Keys):
     def __init__(self, shard: range, batch_size: int) -> None:
-        self.batches = [range(s, min(s + batch_size, shard.stop)) for s in range(shard.start, shard.stop, batch_size)]
+        self.ranges = [range(s, min(s + batch_size, shard.stop)) for s in range(shard.start, shard.stop, batch_size)]
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.ranges)
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for batch in self.batches:
+    def batches(self) -> Iterator[list[tuple[int, int]]]:
+        for batch in self.ranges:
             yield [(0, i) for i in batch]
 
 
@@ -99,17 +111,36 @@ def _one_line_worker_error(exc: UserError) -> UserError:
 
 
 def _data_loader(
-    dataset: SourceImages, batch_sampler, num_workers: int, device: torch.device, seed: int, rank: int, collate=None
-):
-    return DataLoader(
+    dataset: SourceImages, keys: _Keys, num_workers: int, device: torch.device, seed: int, rank: int, collate=None
+) -> DataLoader:
+    loader = DataLoader(
         dataset,
-        batch_sampler=batch_sampler,
+        batch_sampler=keys,
         num_workers=num_workers,
         collate_fn=collate,  # None: torch's default; data.decode=gpu: encoded JPEGs (jpeg_plan.collate_encoded)
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
         worker_init_fn=partial(_init_worker, seed, rank) if num_workers > 0 else None,
     )
+    if num_workers > 0:
+        _start_workers(loader, keys)
+    return loader
+
+
+def _start_workers(loader: DataLoader, keys: _Keys) -> None:
+    """Start the loader processes now, while the run is being built, not at the first batch.
+
+    A process forked while another thread of its parent holds one of the interpreter's locks
+    can hang before running any code (seen with CPython 3.11: a loader process stuck in
+    PyOS_AfterFork_Child while its trainer waited for its first evaluation batch). While the run
+    is built, this process runs no thread of ours and no collective is in flight. The persistent
+    workers then serve every epoch; idle keys meanwhile, so no batch is prepared for nothing.
+    """
+    keys.idle = True
+    try:
+        iter(loader)
+    finally:
+        keys.idle = False
 
 
 def shutdown_workers(loader: DataLoader) -> None:
