@@ -33,13 +33,12 @@ pytestmark = pytest.mark.distributed
 # Two epochs of 32 steps under a constant LR (so a run cut by train.max_steps follows the same
 # schedule as an uninterrupted one), checkpoints every 5 steps.
 EXACT = [*TINY, "train.epochs=2", "sched.name=constant", "checkpoint.every_steps=5", "data.val_size=64"]
-# A job a test acts on while it runs: 192 steps, each made 30 ms longer by SLOW (6 s at least,
-# mostly asleep); the uninterrupted and resumed runs it is compared with run at full speed.
-LONG = [*EXACT, "data.train_size=2048", "train.epochs=3", "log_every=50"]
-LONG_STEPS = 3 * 2048 // 32
-# One process at full speed: long enough (about 10 s) for the SIGQUIT test to act while it runs.
-LONG_SINGLE = [*EXACT, "data.train_size=8192", "train.epochs=3", "log_every=50"]
-SLOW = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "MULTICARD_FAULT": "slow-steps", "MULTICARD_FAULT_MS": "30"}
+# A job a test acts on while it runs is EXACT with every step of one rank made 150 ms longer by
+# SLOW (about 10 s in all, mostly asleep); the uninterrupted and resumed runs it is compared with
+# run at full speed, and share their reference run with the mid-epoch tests.
+SLOW = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "MULTICARD_FAULT": "slow-steps", "MULTICARD_FAULT_MS": "150"}
+SLOW_SINGLE = {**SLOW, "MULTICARD_FAULT_RANK": "0"}  # the one process of a run without a launcher
+STEPS = 2 * 1024 // 32
 
 
 def run_ok(*args: str) -> subprocess.CompletedProcess:
@@ -151,7 +150,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     "sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138), (signal.SIGHUP, 129)]
 )
 def test_signal_to_launcher_checkpoints_and_the_next_run_resumes(reference, tmp_path, sig, code):
-    args = ("--nproc-per-node", "2", *LONG, "data.loader=workers", "data.num_workers=1")
+    args = ("--nproc-per-node", "2", *EXACT, "data.loader=workers", "data.num_workers=1")
     proc = start("train", *args, f"out_dir={tmp_path}", env=SLOW)
     folder = tmp_path / "checkpoints"
     wait_for(lambda: bool(checkpoints_in(folder)), what="the first checkpoint")
@@ -162,17 +161,17 @@ def test_signal_to_launcher_checkpoints_and_the_next_run_resumes(reference, tmp_
     assert proc.returncode == code, err
     assert "stopped by" in err and "run the same command to resume" in err
     stopped = load_checkpoint(folder / "last.pt")
-    assert 5 < stopped["step"] < LONG_STEPS  # written at the stop, mid-run
+    assert 5 < stopped["step"] < STEPS  # written at the stop, mid-run
     assert not children & set(parents())  # no worker or data-loader process left behind
     if sig in (signal.SIGINT, signal.SIGUSR1):
         return  # their stop is SIGTERM's; resuming from it is checked for SIGTERM and SIGHUP
     result = run_ok(*args, f"out_dir={tmp_path}")
-    assert f"step {stopped['step']} of {LONG_STEPS}" in result.stdout
+    assert f"step {stopped['step']} of {STEPS}" in result.stdout
     assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
 
 
 def test_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(reference, tmp_path):
-    args = ("--nproc-per-node", "2", *LONG)
+    args = ("--nproc-per-node", "2", *EXACT, "data.loader=device", "data.num_workers=1")
     proc = start("train", "--max-restarts", "1", *args, f"out_dir={tmp_path}", env=SLOW)
     folder = tmp_path / "checkpoints"
     wait_for(lambda: len(checkpoints_in(folder)) >= 2, what="two checkpoints")
@@ -188,7 +187,7 @@ def test_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(ref
 def test_sigquit_quits_at_once_with_stacks_and_keeps_the_last_checkpoint(tmp_path):
     """SIGQUIT (Ctrl-\\) means "quit now and show me where": stacks on stderr, exit 131, no new
     checkpoint; the last one written stays and the same command resumes from it."""
-    proc = start("train", *LONG_SINGLE, f"out_dir={tmp_path}")
+    proc = start("train", *EXACT, f"out_dir={tmp_path}", env=SLOW_SINGLE)
     folder = tmp_path / "checkpoints"
     wait_for(lambda: bool(checkpoints_in(folder)), what="the first checkpoint")
     os.kill(proc.pid, signal.SIGQUIT)
@@ -198,5 +197,5 @@ def test_sigquit_quits_at_once_with_stacks_and_keeps_the_last_checkpoint(tmp_pat
     steps = [load_file(p)["step"] for p in checkpoints_in(folder)]
     assert steps and all(step % 5 == 0 for step in steps)  # only the cadence's checkpoints, none at the quit
     end = max(steps) + 5
-    result = run_ok(*LONG_SINGLE, f"train.max_steps={end}", f"out_dir={tmp_path}")
+    result = run_ok(*EXACT, f"train.max_steps={end}", f"out_dir={tmp_path}")
     assert f"step {max(steps)} of {end}" in result.stdout

@@ -1,8 +1,9 @@
 """Faults injected into one rank of a real multicard job, for the stall and straggler tests.
 
 Python imports `sitecustomize` at start-up from the path: tests put this folder on PYTHONPATH
-and choose a fault with MULTICARD_FAULT (on rank MULTICARD_FAULT_RANK, from optimizer step
-MULTICARD_FAULT_STEP). multicard itself has no hook for this: the fault is patched in here.
+and choose a fault with MULTICARD_FAULT (on rank MULTICARD_FAULT_RANK, default 1, from optimizer
+step MULTICARD_FAULT_STEP; rank 0 is also the one process of a run without a launcher). multicard
+itself has no hook for this: the fault is patched in here.
 
 - data: the rank's data loader blocks for good;
 - skip: the rank skips the metrics all-reduce the others enter, and then blocks elsewhere;
@@ -18,7 +19,8 @@ import time
 from pathlib import Path
 
 FAULT = os.environ.get("MULTICARD_FAULT")
-ON_THIS_RANK = os.environ.get("RANK") == os.environ.get("MULTICARD_FAULT_RANK", "1")
+# No RANK: a run without a launcher (its one process is rank 0), or a launcher (which runs no step).
+ON_THIS_RANK = os.environ.get("RANK", "0") == os.environ.get("MULTICARD_FAULT_RANK", "1")
 
 
 def _block() -> None:
@@ -63,5 +65,5 @@ def _install() -> None:
         Trainer._reduce_window = reduce_window
 
 
-if FAULT and ON_THIS_RANK and "RANK" in os.environ:
+if FAULT and ON_THIS_RANK:
     _install()
