@@ -108,7 +108,9 @@ class SchedConfig:
 class DDPConfig:
     bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of about this size, during backward
     static_graph: bool = False  # the graph is the same every step: lets DDP skip per-step bookkeeping
-    gradient_as_bucket_view: bool = False  # gradients live in the buckets: saves a copy and its memory
+    # Gradients live in the all-reduce buckets: one copy of them fewer per step, and their memory
+    # (same maths; on by default: ddp×2 resnet18 steps 5% faster on CPU, docs/benchmarks.md)
+    gradient_as_bucket_view: bool = True
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     # Opt-in gradient compression; changes the maths (see docs/benchmarks.md for its accuracy effect):
