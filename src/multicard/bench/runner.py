@@ -1,7 +1,7 @@
 """Run the planned cells, each in fresh processes, and turn their timings into rows.
 
-Repeats alternate the cells (A B C A B C ...) so slow drifts of the machine hit every runner
-alike; ratios (vs the plain loop, efficiency vs single) are taken within a repeat, then their
+Repeats alternate the cells (A B C, C B A, A B C ...) so slow drifts of the machine hit every
+runner alike; ratios (vs the plain loop, efficiency vs single) are taken within a repeat, then their
 median and spread are reported.
 """
 
@@ -65,10 +65,13 @@ def run_matrix(
     workdir: Path,
     on_result: Callable[[Cell, int, dict[str, Any]], None] = lambda cell, repeat, result: None,
 ) -> dict[Cell, list[dict[str, Any]]]:
-    """Every cell once per repeat, in alternating order."""
+    """Every cell once per repeat, the order reversed every other repeat (A B, B A, A B …): a
+    machine that slows or speeds up over minutes favours no cell, and cells compared with each
+    other (multicard and the plain loop) run next to each other."""
     results: dict[Cell, list[dict[str, Any]]] = {cell: [] for cell in cells}
     for repeat in range(timing.repeats):
-        for i, cell in enumerate(cells):
+        order = list(enumerate(cells))
+        for i, cell in order if repeat % 2 == 0 else reversed(order):
             result = run_cell(cell, configs[cell], timing, workdir / f"r{repeat}-c{i}")
             results[cell].append(result)
             on_result(cell, repeat, result)
