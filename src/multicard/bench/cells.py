@@ -16,7 +16,8 @@ from multicard.errors import UserError
 RUNNERS = ("multicard", "plain", "lightning", "accelerate")
 STRATEGIES = ("single", "dp", "ddp", "fsdp")
 MULTI_PROCESS = ("ddp", "fsdp")  # strategies whose world size is a process count
-# After the timed steps, DDP cells run this many more with a timing comm hook (its achieved rate).
+# After the timed steps, DDP cells run this many more (fewer if fewer are timed) with a timing
+# comm hook (its achieved rate).
 COMM_STEPS = 5
 FRAMEWORK_MODULES = {"lightning": "lightning", "accelerate": "accelerate"}
 

@@ -82,7 +82,10 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def raw_allreduce_ms(nbytes: int, device: torch.device, repeats: int = 8) -> float:
+RAW_REPEATS = 8  # timed all-reduces of a raw tensor the size of the gradients
+
+
+def raw_allreduce_ms(nbytes: int, device: torch.device, repeats: int = RAW_REPEATS) -> float:
     """Median time of torch.distributed.all_reduce on one fp32 tensor of `nbytes`."""
     tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dist.all_reduce(tensor)  # warm-up: connections, buffers

@@ -18,6 +18,7 @@ import torch
 
 from multicard.bench.cells import COMM_STEPS
 from multicard.bench.measure import (
+    RAW_REPEATS,
     CommTimer,
     StepClock,
     gradient_bytes,
@@ -78,17 +79,18 @@ class CommSpans(Callback):
         self.timer.end_step()
 
 
-def _allreduce(s: Session, start: int) -> dict[str, Any]:
-    """Gradient bytes, a raw all_reduce of that many bytes, and DDP's achieved rate in training."""
+def _allreduce(s: Session, start: int, steps: int) -> dict[str, Any]:
+    """Gradient bytes, a raw all_reduce of that many bytes, and DDP's achieved rate in training;
+    a cell of few timed steps measures these few times too."""
     nbytes = gradient_bytes(s.trainer.bare)
-    raw_ms = raw_allreduce_ms(nbytes, s.ctx.device)
+    raw_ms = raw_allreduce_ms(nbytes, s.ctx.device, repeats=min(steps, RAW_REPEATS))
     out: dict[str, Any] = {"grad_mb": nbytes / 1e6, "raw_ms": raw_ms, "raw_gb_per_s": nbytes / raw_ms / 1e6}
     if s.cfg.ddp.comm_hook != "none":
         out["ddp_gb_per_s"] = None  # a compression hook sends fewer bytes; its rate is not comparable
         return out
     timer = CommTimer()
     s.trainer.model.register_comm_hook(None, timer.hook)
-    s.trainer.fit([CommSpans(timer)], until=start + COMM_STEPS, validate=False)
+    s.trainer.fit([CommSpans(timer)], until=start + min(steps, COMM_STEPS), validate=False)
     span_ms = sorted(timer.spans)[len(timer.spans) // 2] * 1000
     out.update(ddp_span_ms=span_ms, ddp_gb_per_s=nbytes / span_ms / 1e6)
     return out
@@ -99,7 +101,7 @@ def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[s
         timer = StepTimer(s.ctx.device, warmup)
         held = HeldState()
         s.trainer.fit([timer, held], until=warmup + steps, validate=False)
-        comm = _allreduce(s, warmup + steps) if strategy == "ddp" else None
+        comm = _allreduce(s, warmup + steps, steps) if strategy == "ddp" else None
         peaks = [mb for rank in s.strategy.all_gather_object(peak_memory_mb(s.strategy.devices)) for mb in rank]
         held_per_rank = s.strategy.all_gather_object(held.mib)
         beats = s.strategy.all_gather_object(s.watchdog.cost.summary() if s.watchdog else None)
