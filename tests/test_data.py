@@ -46,9 +46,21 @@ def config(*overrides: str):
     return load_config(None, list(overrides))
 
 
+BUILT = []  # the loaders a test built: their loader processes end with the test
+
+
+@pytest.fixture(autouse=True)
+def close_built_loaders():
+    yield
+    while BUILT:
+        BUILT.pop().close()
+
+
 def build_data(cfg, plan, rank, world, device):
     """This rank's loaders, as a process of a `world`-process job would build them."""
-    return build_loaders(cfg.data, cfg.seed, plan, ProcessContext(rank, 0, world, 1, device, distributed=False))
+    data = build_loaders(cfg.data, cfg.seed, plan, ProcessContext(rank, 0, world, 1, device, distributed=False))
+    BUILT.append(data)
+    return data
 
 
 def read_splits(cfg):
