@@ -47,6 +47,21 @@ LEARN = [
     "log_every=20",
 ]
 
+# tests/faults/sitecustomize.py injects a fault into one rank of a run whose PYTHONPATH holds it.
+FAULTS = ROOT / "tests" / "faults"
+
+
+def slowed(ms: int = 150, rank: int = 1, path: Path | None = None) -> dict[str, str]:
+    """Environment for a run in which every optimizer step of `rank` (0: also the one process of a
+    run without a launcher) takes `ms` longer, asleep: a short job that lasts long enough for a test
+    to act on it while it runs. `path`: one more folder for PYTHONPATH (test models)."""
+    folders = [str(FAULTS)] if path is None else [str(path), str(FAULTS)]
+    return {
+        "PYTHONPATH": os.pathsep.join(folders), "MULTICARD_FAULT": "slow-steps",
+        "MULTICARD_FAULT_MS": str(ms), "MULTICARD_FAULT_RANK": str(rank),
+    }  # fmt: skip
+
+
 # Variables a launcher sets: a test process must not hand its own (if any) to the runs it starts.
 LAUNCHER_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    ROOT,
     TINY,
     assert_bitwise_equal,
     cli,
@@ -19,6 +18,7 @@ from conftest import (
     final_params,
     load_checkpoint,
     parents,
+    slowed,
     start,
     wait_for,
     worker_pid,
@@ -36,8 +36,8 @@ EXACT = [*TINY, "train.epochs=2", "sched.name=constant", "checkpoint.every_steps
 # A job a test acts on while it runs is EXACT with every step of one rank made 150 ms longer by
 # SLOW (about 10 s in all, mostly asleep); the uninterrupted and resumed runs it is compared with
 # run at full speed, and share their reference run with the mid-epoch tests.
-SLOW = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "MULTICARD_FAULT": "slow-steps", "MULTICARD_FAULT_MS": "150"}
-SLOW_SINGLE = {**SLOW, "MULTICARD_FAULT_RANK": "0"}  # the one process of a run without a launcher
+SLOW = slowed(150)
+SLOW_SINGLE = slowed(150, rank=0)  # the one process of a run without a launcher
 STEPS = 2 * 1024 // 32
 
 

@@ -19,6 +19,7 @@ from conftest import (
     descendants,
     final_params,
     max_rel_diff,
+    slowed,
     start,
     train_on_two_nodes,
     wait_for,
@@ -100,11 +101,7 @@ def test_sharding_holds_half_the_state_per_rank(tmp_path):
 # Two epochs of 20 steps, a checkpoint every 5 steps. The run a test stops has every step of rank 1
 # made 150 ms longer (tests/faults), so the signal lands mid-run; the other runs go at full speed.
 LONG = [*ODD, "data.train_size=480", "train.epochs=2", "checkpoint.every_steps=5", "strategy=fsdp"]
-SLOW_MODELS = {
-    "PYTHONPATH": os.pathsep.join([MODELS["PYTHONPATH"], str(ROOT / "tests" / "faults")]),
-    "MULTICARD_FAULT": "slow-steps",
-    "MULTICARD_FAULT_MS": "150",
-}
+SLOW_MODELS = slowed(150, path=ROOT / "tests")
 
 
 @pytest.fixture(scope="module")

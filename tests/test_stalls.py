@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, alive, cli, descendants, start, wait_for, worker_pid
+from conftest import FAULTS, TINY, alive, cli, descendants, start, wait_for, worker_pid
 from multicard.checkpoint import checkpoints_in
 from multicard.cli import main
 from multicard.report import figure, load_run
@@ -26,7 +26,7 @@ RUN = [*TINY, "data.train_size=4096", "train.epochs=50", "log_every=5", f"debug.
 
 def faulty(fault: str, tmp_path: Path, **extra: str) -> dict[str, str]:
     return {
-        "PYTHONPATH": str(ROOT / "tests" / "faults"), "MULTICARD_FAULT": fault, "MULTICARD_FAULT_RANK": "1",
+        "PYTHONPATH": str(FAULTS), "MULTICARD_FAULT": fault, "MULTICARD_FAULT_RANK": "1",
         "MULTICARD_FAULT_MARK": str(tmp_path / "fault-fired"), **extra,
     }  # fmt: skip
 
