@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[dev,jpeg,tensorboard,timm]'
+	$(PIP) -e '.[dev,hf,jpeg,mlflow,mlflow-server,tensorboard,timm,wandb]'
 	@touch $@
 
 install: $(VENV)/.installed

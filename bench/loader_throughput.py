@@ -15,7 +15,10 @@ other jobs on a shared machine), and img/s of wall time on that core. Repeats al
 (multicard, reference, multicard, ...) so that drifting load hits both alike; each repeat's
 ratio compares adjacent runs.
 
-    python bench/loader_throughput.py [--root DIR] [--repeats 5] [--passes 2] [--core N]
+    python bench/loader_throughput.py [--root DIR] [--repeats 5] [--passes 2] [--core N] [--function]
+
+--function also times `multicard function`: the same photos through a dataset function of JPEG
+bytes (data.name=loader_throughput:folder_bytes, README "Your own data"), against multicard's folder.
 
 The small-image loaders (CIFAR-10) are measured by bench/small_loader_throughput.py.
 """
@@ -45,6 +48,7 @@ from multicard.config import load_config
 from multicard.data import build_data
 from multicard.data import jpeg as fast_jpeg
 from multicard.data.sampling import BatchPlan
+from multicard.data.sources import scan_folder
 from multicard.process_group import ProcessContext
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
@@ -52,17 +56,41 @@ SIZE, RESIZE, SCALE = 224, 256, (0.08, 1.0)
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
-def multicard_loaders(root: Path, link_dir: Path, batch: int, seed: int):
+class FolderBytes:
+    """An image folder's files as (JPEG bytes, label) items, in the folder's order."""
+
+    def __init__(self, root: str) -> None:
+        self.files, self.classes = scan_folder(Path(root), "root")
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[bytes, int]:
+        return (self.files.root / self.files.paths[i]).read_bytes(), int(self.files.labels[i])
+
+
+def folder_bytes(split: str, root: str) -> FolderBytes:
+    """The dataset function --function times: both splits are the whole folder, as for the links."""
+    return FolderBytes(root)
+
+
+def multicard_loaders(root: Path, link_dir: Path, batch: int, seed: int, function: bool = False):
     """(train, eval): epoch → the workers loader's DataLoader (one worker each); and the Data to close.
 
-    `multicard train` reads root/train and root/val: here both are links to `root`.
+    `multicard train` reads root/train and root/val: here both are links to `root`; with `function`,
+    the dataset function `folder_bytes` reads root for both splits.
     """
-    for split in ("train", "val"):
-        (link_dir / split).symlink_to(root.resolve(), target_is_directory=True)
+    if function:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers are forked: they inherit the module
+        source = ["data.name=loader_throughput:folder_bytes", f"data.kwargs={{root: {root.resolve()}}}"]
+    else:
+        for split in ("train", "val"):
+            (link_dir / split).symlink_to(root.resolve(), target_is_directory=True)
+        source = ["data.name=imagefolder", f"data.root={link_dir}"]
     cfg = load_config(
         None,
         [
-            "data.name=imagefolder", f"data.root={link_dir}", "data.loader=workers", "data.num_workers=1",
+            *source, "data.loader=workers", "data.num_workers=1",
             f"data.image_size={SIZE}", f"data.eval_resize={RESIZE}", f"data.crop_scale=[{SCALE[0]},{SCALE[1]}]",
             f"data.eval_batch_size={batch}", f"train.global_batch_size={batch}", f"seed={seed}",
         ],
@@ -138,6 +166,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--core", type=int, default=None, help="CPU to pin to (default: the last one allowed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--function", action="store_true", help="also time the photos through a dataset function")
     args = p.parse_args()
     if not args.root.is_dir():
         fail(f"no photos at {args.root}; pass --root DIR (an ImageFolder: DIR/<class>/<images>)")
@@ -155,20 +184,28 @@ def main() -> None:
         ours_train, ours_eval, data = multicard_loaders(args.root, Path(links), args.batch, args.seed)
         ref_train, ref_eval = reference_loaders(args.root, args.batch, args.seed)
         pairs = {"train": (ours_train, ref_train), "eval": (ours_eval, ref_eval)}
-        for ours, ref in pairs.values():  # start the workers and fill the page cache
-            timed(ours, 0, 1), timed(ref, 0, 1)
-        runs = [f"{who} {kind}" for kind in pairs for who in ("multicard", "reference")]
+        whos = ("multicard", "reference")
+        if args.function:
+            fn_train, fn_eval, fn_data = multicard_loaders(args.root, Path(links), args.batch, args.seed, True)
+            pairs = {"train": (*pairs["train"], fn_train), "eval": (*pairs["eval"], fn_eval)}
+            whos = (*whos, "function")
+        for pipelines in pairs.values():  # start the workers and fill the page cache
+            for batches in pipelines:
+                timed(batches, 0, 1)
+        runs = [f"{who} {kind}" for kind in pairs for who in whos]
         wall: dict[str, list[float]] = {name: [] for name in runs}
         cpu: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(args.repeats):
             for kind, pipelines in pairs.items():
-                for who, batches in zip(("multicard", "reference"), pipelines, strict=True):
+                for who, batches in zip(whos, pipelines, strict=True):
                     w, c = timed(batches, r + 1, args.passes)
                     wall[f"{who} {kind}"].append(w)
                     cpu[f"{who} {kind}"].append(c)
             line = ", ".join(f"{name} {values[-1]:.0f}" for name, values in cpu.items())
             print(f"repeat {r + 1}: {line} img/CPU-s", flush=True)
         data.close()
+        if args.function:
+            fn_data.close()
 
     result = {"date": str(datetime.date.today()), "machine": machine(), "decoder": decoder, "root": str(args.root)}
     print(f"\n{args.repeats} alternating repeats of {args.passes} passes over {args.root}, batch {args.batch}")
@@ -184,6 +221,10 @@ def main() -> None:
             ratios = [a / b for a, b in zip(rates[f"multicard {kind}"], rates[f"reference {kind}"], strict=True)]
             print(f"  {kind} multicard ÷ reference: {spread(ratios)}")
             result[f"{kind}_ratio_{unit}"] = [round(v, 3) for v in ratios]
+            if args.function:
+                ratios = [a / b for a, b in zip(rates[f"function {kind}"], rates[f"multicard {kind}"], strict=True)]
+                print(f"  {kind} function ÷ multicard (folder): {spread(ratios)}")
+                result[f"{kind}_function_ratio_{unit}"] = [round(v, 3) for v in ratios]
     print(json.dumps(result))
 
 

@@ -38,3 +38,16 @@ def test_damaged_or_foreign_files_give_one_line_errors(tmp_path):
 def test_state_of_another_model_is_refused():
     with pytest.raises(UserError, match="does not fit this model"):
         check_model_fits({"weight": torch.zeros(5, 5)}, torch.nn.Linear(3, 2), "x.pt")
+
+
+def test_a_setting_added_since_the_checkpoint_differs_only_when_not_the_default():
+    from multicard.checkpoint.compat import changed_settings
+    from multicard.config import Config, to_dict
+
+    saved, wanted = to_dict(Config()), to_dict(Config())
+    del saved["data"]["kwargs"], saved["sched"]["name"]  # written before these settings existed
+    assert changed_settings(saved, wanted) == []
+    wanted["sched"]["name"] = "step"
+    assert changed_settings(saved, wanted) == ["sched.name: cosine → step"]
+    saved["data"]["gone"] = 3  # a setting this version no longer has, and no default to compare with
+    assert "data.gone: 3 → None" in changed_settings(saved, wanted)

@@ -38,7 +38,7 @@ def test_checkpoint_of_another_model(tmp_path, capsys):
     assert main(["eval", "--checkpoint", ckpt, "model.name=resnet18_cifar"]) == 2
     assert "does not fit this model" in one_line(capsys.readouterr().err)
     assert main(["train", *TINY, "model.name=resnet18_cifar", f"train.resume={ckpt}", f"out_dir={tmp_path}/b"]) == 2
-    assert "does not fit this model" in one_line(capsys.readouterr().err)
+    assert "other settings (model.name: smallcnn → resnet18_cifar)" in one_line(capsys.readouterr().err)  # issue 27
 
 
 def test_disk_full_while_saving_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "gpu_check"))  # the check's scripts import each other as siblings
 
+import summary  # noqa: E402
 from throughput import peak_bf16  # noqa: E402
 from train_run import steady_throughput  # noqa: E402
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+NO_CUDA = 4  # gpu_check.sh's exit codes (its header; README "GPU check")
+MISSING = 3
 
 
 def test_peak_table_picks_the_specific_model_first():
@@ -37,23 +43,106 @@ def test_steady_throughput_leaves_out_warm_up_windows_and_weights_by_steps():
     assert rate == pytest.approx(25 / (10 / 1000 + 10 / 1000 + 5 / 250))
 
 
+JUNIT = """<testsuites><testsuite>
+<testcase classname="tests.test_gpu_paths" name="test_a"/>
+<testcase classname="tests.test_gpu_paths" name="test_b"><failure message="assert 1 == 2&#10;more"/></testcase>
+<testcase classname="tests.test_imagenet" name="test_c"><skipped message="needs a CUDA GPU"/></testcase>
+<testcase time="0.000"/>
+</testsuite></testsuites>"""
+
+
+def write(path: Path, value) -> None:  # noqa: ANN001
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(value if isinstance(value, str) else json.dumps(value))
+
+
+def test_summary_reports_passed_failed_skipped_and_none_values(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    write(work / "preflight" / "preflight.json", {"torch": "2.11.0", "gpus": ["NVIDIA H200"], "python": "3.12.3"})
+    steps = [{"name": "preflight", "status": "passed", "seconds": 9, "limit_s": 60, "reason": ""},
+             {"name": "proofs", "status": "failed", "seconds": 80, "limit_s": 170, "reason": "exit 1: x"}]  # fmt: skip
+    write(work / "steps.jsonl", "\n".join(json.dumps(s) for s in steps) + '\n{"name": "matrix", "sta')  # cut short
+    write(work / "throughput" / "throughput.json", {"status": "passed", "img_per_s": None, "mfu": None})
+    rows = [{"name": "fsdp1_bf16_sharded", "status": "passed", "wall_s": None, "eval_top1": None},
+            {"name": "sigterm_resume_fp32", "status": "failed", "reason": "AssertionError: differs", "wall_s": 3.0},
+            {"name": "eval", "status": "skipped", "reason": "time budget spent"}]  # fmt: skip
+    write(work / "proofs" / "proofs.json", {"rows": rows})
+    write(work / "cuda_tests.xml", JUNIT)
+    write(work / "gpu_decode" / "gpu_decode.json", {"status": "passed", "cpu": {"img_per_s": None}, "gpu": None})
+    write(work / "plan_check" / "plan_check.json", {"status": "passed", "predicted": {"tensor_bytes": None},
+                                                    "measured": {}, "memory_ratio": None})  # fmt: skip
+    assert summary.main([str(work), str(out)]) == 1  # a step and a row failed
+    s = json.loads((out / "summary.json").read_text())
+    assert [step["name"] for step in s["steps"]] == ["preflight", "proofs"]
+    assert s["cuda_tests"]["passed"] == 1 and s["cuda_tests"]["failed"] == ["test_gpu_paths::test_b: assert 1 == 2"]
+    assert [t["met"] for t in s["targets"]] == [None, None, None]
+    md = (out / "summary.md").read_text()
+    assert "NVIDIA H200" in md and "| proofs | failed | 80 | 170 | exit 1: x |" in md
+    assert "n/a img/s" in md and "MFU n/a (not measured)" in md and "CPU decode n/a img/s, GPU decode n/a" in md
+    assert "- sigterm_resume_fp32: FAILED (3.0 s) AssertionError: differs" in md
+    assert "- eval: SKIPPED time budget spent" in md and "- fsdp1_bf16_sharded: PASSED {" in md
+    assert "1 passed, 1 failed, 1 skipped (interrupted at the step's time limit" in md  # SIGINT's unnamed case
+    assert "skipped: needs a CUDA GPU" in md
+
+
+def test_summary_of_an_empty_folder_still_writes_both_files(tmp_path):
+    assert summary.main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == 0  # nothing ran, nothing failed
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "no CUDA device" in md and "not run (proofs.json missing)" in md and "not run (matrix.json missing)" in md
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == []
+
+
+def omegaconf_hidden(tmp_path: Path) -> str:
+    """A PYTHONPATH folder whose omegaconf cannot be imported, as on a machine without it."""
+    fake = tmp_path / "hide" / "omegaconf"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'omegaconf'\", name='omegaconf')\n")
+    return str(fake.parent)
+
+
+def gpu_check(out: Path, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, **env}
+    start = time.monotonic()
+    result = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=timeout, env=env)
+    return result, time.monotonic() - start
+
+
+def test_gpu_check_stops_in_its_preflight_naming_a_missing_module(tmp_path):
+    (tmp_path / "no-wheels").mkdir()
+    result, seconds = gpu_check(tmp_path / "out", 60, PYTHONPATH=omegaconf_hidden(tmp_path),
+                                GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))  # fmt: skip
+    assert result.returncode == MISSING, result.stdout + result.stderr
+    assert "gpu_check: error: cannot import omegaconf" in result.stdout and seconds < 60
+    assert "cannot import omegaconf" in (tmp_path / "out" / "summary.md").read_text()
+    assert "== throughput" not in result.stdout  # nothing after the preflight ran
+
+
+def test_gpu_check_with_require_cuda_stops_without_a_gpu(tmp_path):
+    result, _ = gpu_check(tmp_path, 60, REQUIRE_CUDA="1")
+    assert result.returncode == NO_CUDA, result.stdout + result.stderr
+    assert "REQUIRE_CUDA=1 but torch sees no CUDA device" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
+
+
 @pytest.mark.slow
-def test_gpu_check_without_cuda_skips_every_gpu_step_and_still_summarises(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+def test_gpu_check_rehearsal_on_cpu_skips_every_cuda_step_inside_its_budget(tmp_path):
+    """The whole script as a GPU machine without omegaconf would meet it, on the CPU: the vendored
+    wheel stands in, every CUDA step reports itself skipped with the reason, inside 120 s."""
+    out = tmp_path / "out"
+    result, seconds = gpu_check(out, 200, PYTHONPATH=omegaconf_hidden(tmp_path), GPU_CHECK_BUDGET_S="120")
     assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    tests = summary["cuda_tests"]
+    assert seconds < 130, result.stdout  # each step's time is in its summary table
+    assert "omegaconf is not installed here: using omegaconf-" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]  # <= 8 files
+    s = json.loads((out / "summary.json").read_text())
+    names = ["preflight", "throughput", "proofs", "cuda_tests", "matrix", "gpu_decode", "plan_check"]
+    assert [step["name"] for step in s["steps"]] == names, s["steps"]
+    assert all(step["status"] == "passed" for step in s["steps"]), s["steps"]
+    no_cuda = "no CUDA device (torch.cuda.is_available() is False)"
+    rows = [*s["proofs"]["rows"], *s["matrix"]["runs"], s["throughput"], s["gpu_decode"], s["plan_check"]]
+    assert len(rows) == 7 + 12 + 3 and all(r["status"] == "skipped" and r["reason"] == no_cuda for r in rows)
+    tests = s["cuda_tests"]
     assert tests["status"] == "skipped" and tests["passed"] == 0 and not tests["failed"]
-    # every CUDA test skips for want of a GPU (a few first for want of data the machine lacks)
-    assert all(("needs" in s and "CUDA GPU" in s) or "not found" in s for s in tests["skipped"])
-    assert sum("CUDA GPU" in s for s in tests["skipped"]) >= 8
-    runs = summary["matrix"]["runs"]
-    assert len(runs) == 12 and all(r["status"] == "skipped" and "no CUDA device" in r["reason"] for r in runs)
-    assert summary["throughput"]["status"] == "skipped"
-    assert [t["met"] for t in summary["targets"]] == [None, None, None]
-    table = (tmp_path / "summary.md").read_text()
-    assert "| single | skipped | skipped | skipped | skipped |" in table and table.strip() in result.stdout
+    assert len(tests["skipped"]) >= 8 and all("CUDA GPU" in x for x in tests["skipped"])  # needs one, or 2
+    assert s["environment"]["omegaconf_from"].endswith("/deps/omegaconf") and not s["environment"]["gpus"]
+    assert (out / "summary.md").read_text().strip() in result.stdout

@@ -10,20 +10,24 @@ pixels are from the CPU path's (mean absolute difference in uint8 levels, same c
 
     python scripts/gpu_check/gpu_decode.py [--out runs/gpu-decode] [--root ../shared/data/imagenet-sample]
 
-Without CUDA it writes status "skipped" with the reason.
+Without photos (../shared does not travel to a GPU machine) it writes photo-like JPEGs under --out
+(jpegs.py). The row fails if nvjpeg fell back to Pillow for any batch (GpuDecode.fell_back, or its
+warning from inside the loader): a passing row timed nvjpeg. Without CUDA it writes status
+"skipped" with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import torchvision
+from jpegs import jpeg_files, linked_folder, photos
+from train_run import cuda_or_reason
 
 from multicard.config import load_config
 from multicard.data import build_data
@@ -34,15 +38,7 @@ from multicard.data.sampling import BatchPlan
 from multicard.data.transforms import RandomResizedCropFlip
 from multicard.process_group import ProcessContext
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "imagenet-sample"
 IMAGE_SIZE = 224
-
-
-def linked_folder(photos: Path, tmp: Path) -> Path:
-    """root/train and root/val: links to the photos' class folders (read in place)."""
-    for split in ("train", "val"):
-        (tmp / split).symlink_to(photos, target_is_directory=True)
-    return tmp
 
 
 def loader_img_per_s(root: Path, decode: str, batch: int, workers: int, seconds: float, device) -> dict:
@@ -78,15 +74,17 @@ def loader_img_per_s(root: Path, decode: str, batch: int, workers: int, seconds:
             "nvjpeg_fallback": fallbacks[:1]}  # fmt: skip
 
 
-def gpu_side(photos: list[Path], batch: int, device) -> dict:
+def gpu_side(files: list[Path], batch: int, device) -> dict:
     """nvjpeg + crops of one planned batch (ms, median of 5), and its pixels against the CPU path's."""
     transform = RandomResizedCropFlip(IMAGE_SIZE, (0.08, 1.0), flip=True, seed=0)
     plan = JpegPlan(transform)
-    paths = photos[:batch]
+    paths = files[:batch]
     items = [(plan(read_image(p), 0, i), torch.tensor(0), i) for i, p in enumerate(paths)]
     encoded, _, _ = collate_encoded(items)
     decoder = GpuDecode([0, 0, 0], [1, 1, 1], device, 0, IMAGE_SIZE)
     decoder.assemble(encoded)  # warm-up: nvjpeg's handles and buffers
+    if decoder.fell_back:
+        raise RuntimeError("nvjpeg fell back to Pillow: the GPU decode was not timed")
     times = []
     for _ in range(5):
         torch.cuda.synchronize(device)
@@ -104,30 +102,33 @@ def gpu_side(photos: list[Path], batch: int, device) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/gpu-decode"))
-    p.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="class folders of JPEG photos")
+    p.add_argument("--root", type=Path, default=None, help="class folders of JPEG photos (default: the sample)")
+    p.add_argument("--photos", type=Path, help="where to write JPEGs when none are at hand (default OUT/photos)")
     p.add_argument("--batch", type=int, default=100)
     p.add_argument("--workers", type=int, default=8, help="loader processes (both modes)")
     p.add_argument("--seconds", type=float, default=20, help="timed per mode")
     args = p.parse_args()
     result: dict = {"torch": torch.__version__, "torchvision": torchvision.__version__, "root": str(args.root),
                     "image_size": IMAGE_SIZE, "batch": args.batch, "workers": args.workers}  # fmt: skip
-    if not torch.cuda.is_available():
-        result.update(status="skipped", reason="no CUDA device (torch.cuda.is_available() is False)")
-    elif not args.root.is_dir():
-        result.update(status="skipped", reason=f"no photos at {args.root} (pass --root DIR of class folders)")
+    if (reason := cuda_or_reason()) is not None:
+        result.update(status="skipped", reason=reason)
     else:
         device = torch.device("cuda", 0)
         result["device"] = torch.cuda.get_device_name(device)
-        photos = sorted(args.root.glob("*/*.JPEG")) or sorted(args.root.glob("*/*.jpg"))
-        result["photos"] = len(photos)
         try:
-            result["gpu_side"] = gpu_side(photos, args.batch, device)
-            with tempfile.TemporaryDirectory() as tmp:
-                root = linked_folder(args.root.resolve(), Path(tmp))
-                for decode in ("cpu", "gpu"):
-                    result[decode] = loader_img_per_s(root, decode, args.batch, args.workers, args.seconds, device)
+            root, result["root"] = photos(args.root, args.photos or args.out / "photos")
+            files = jpeg_files(root)
+            result["photos"] = len(files)
+            result["gpu_side"] = gpu_side(files, args.batch, device)
+            folder = linked_folder(root, args.out / "imagefolder")
+            for decode in ("cpu", "gpu"):
+                result[decode] = loader_img_per_s(folder, decode, args.batch, args.workers, args.seconds, device)
             cpu, gpu = result["cpu"]["img_per_s"], result["gpu"]["img_per_s"]
-            result.update(status="passed", gpu_over_cpu=round(gpu / cpu, 2) if cpu and gpu else None)
+            fell_back = result["gpu"]["nvjpeg_fallback"]
+            result.update(status="failed" if fell_back else "passed")
+            result["gpu_over_cpu"] = round(gpu / cpu, 2) if cpu and gpu else None
+            if fell_back:
+                result["reason"] = f"nvjpeg fell back to Pillow in the loader: {fell_back[0]}"
         except Exception as exc:  # the JSON says what failed; the step's exit code says that it did
             first = (str(exc).strip().splitlines() or [""])[0]
             result.update(status="failed", reason=f"{type(exc).__name__}: {first}")

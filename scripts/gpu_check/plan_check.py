@@ -7,8 +7,10 @@ The workload: vit_b_16 at 224×224, bf16 autocast, one GPU (strategy single). Th
   (its total less the CUDA context) at micro-batch 128;
 - time: the median step time against the plan's;
 - largest micro-batch: the plan's (no headroom, the GPU's memory as torch reports it) against
-  the real one, found by probing micro-batches around it, each in a fresh process, from the
-  smallest up, until one fails (CUDA out of memory) or the time budget is spent.
+  the real one, found by probing micro-batches around it from the smallest up: two training
+  steps each (the model, its optimizer, bf16 autocast; inputs drawn on the GPU, so a probe costs
+  the CPU nothing), until one raises torch.cuda.OutOfMemoryError or the time budget is spent.
+  Only that error counts as out of memory; any other is reported as the probe's error.
 
     python scripts/gpu_check/plan_check.py [--out runs/gpu-plan] [--budget-s 170] [KEY=VALUE ...]
 
@@ -20,13 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from multicard.config import load_config, with_overrides
+from multicard.models import build_model
+from multicard.optim import optimizer_recipe
 from multicard.plan.hardware import gpu_for_device
 from multicard.plan.measure import MEMORY_STEPS, run_alone
 from multicard.plan.planner import make_plan
@@ -51,6 +57,43 @@ def runnable(cfg, batch: int):  # noqa: ANN001, ANN201
     """The workload at micro-batch `batch` with just enough images for the steps."""
     steps = MEMORY_STEPS + 1 + TIMED_STEPS
     return with_overrides(cfg, [f"train.global_batch_size={batch}", f"data.train_size={batch * steps}"])
+
+
+def probe(cfg, batch: int, device: torch.device) -> dict:  # noqa: ANN001
+    """Two training steps at micro-batch `batch`: outcome ran (with the peak), oom, or error."""
+    size, classes = cfg.data.image_size, cfg.data.num_classes
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        model = build_model(cfg.model.name, classes, dict(cfg.model.kwargs)).to(device)
+        optimizer = optimizer_recipe(model, cfg.optim, batch).build()
+        for _ in range(2):  # the first step makes the optimizer state; the second is a steady one
+            x = torch.randn(batch, 3, size, size, device=device)
+            y = torch.randint(0, classes, (batch,), device=device)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        return {"micro_batch": batch, "outcome": "ran", "peak_bytes": torch.cuda.max_memory_allocated(device)}
+    except torch.cuda.OutOfMemoryError as exc:
+        return {"micro_batch": batch, "outcome": "oom", "reason": str(exc).strip().splitlines()[0][:200]}
+    except Exception as exc:  # not memory: say what it was, never call it out of memory
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return {"micro_batch": batch, "outcome": "error", "reason": f"{type(exc).__name__}: {first}"}
+
+
+def probe_upwards(cfg, predicted: int, device: torch.device, started: float, budget_s: float) -> list[dict]:  # noqa: ANN001
+    probes: list[dict] = []
+    for factor in PROBES:
+        if time.monotonic() - started > budget_s:
+            break
+        probes.append(probe(cfg, max(1, round(predicted * factor)), device))
+        gc.collect()
+        torch.cuda.empty_cache()  # the next probe starts from an empty cache, as a fresh process would
+        if probes[-1]["outcome"] != "ran":
+            break
+    return probes
 
 
 def main() -> None:
@@ -97,19 +140,15 @@ def main() -> None:
     if measured.ok:
         result["memory_ratio"] = round(predicted["tensor_bytes"] / measured.peak_bytes, 3)
         result["time_ratio"] = round(predicted["step_s"] / measured.step_s, 3)
-    probes = []
-    for factor in PROBES if not args.cpu else ():
-        if time.monotonic() - started > args.budget_s:
-            break
-        batch = max(1, round(row.max_micro_batch * factor))
-        run = run_alone(runnable(cfg, batch), 1, profile_memory=args.cpu)
-        probes.append({"micro_batch": batch, "ran": run.ok, "peak_bytes": run.peak_bytes if run.ok else None})
-        _finish({**result, "probes": probes}, args.out, quiet=True)  # a stopped check still reports
-        if not run.ok:
-            break
-    ran = [p["micro_batch"] for p in probes if p["ran"]]
-    failed = [p["micro_batch"] for p in probes if not p["ran"]]
-    result.update(probes=probes, largest_ran=max(ran) if ran else None, smallest_failed=min(failed) if failed else None)
+    _finish(result, args.out, quiet=True)  # the memory and time checks, before the probes
+    device = torch.device("cuda", 0)
+    probes = [] if args.cpu else probe_upwards(cfg, row.max_micro_batch, device, started, args.budget_s)
+    ran = [p["micro_batch"] for p in probes if p["outcome"] == "ran"]
+    oom = [p["micro_batch"] for p in probes if p["outcome"] == "oom"]
+    errors = [f"{p['micro_batch']}: {p['reason']}" for p in probes if p["outcome"] == "error"]
+    result.update(probes=probes, largest_ran=max(ran) if ran else None, smallest_failed=min(oom) if oom else None)
+    if errors:
+        result.update(status="failed", reason=f"a probe failed with an error that is not out of memory ({errors[0]})")
     _finish(result, args.out)
 
 

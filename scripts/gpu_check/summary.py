@@ -1,25 +1,22 @@
-"""Summarise a GPU check directory: summary.json, summary.md (a short table), the table on stdout.
+"""Summarise a GPU check: OUT/summary.json and OUT/summary.md (a short report), from what the
+steps left in WORK: preflight/preflight.json (versions, GPU), steps.jsonl (each step's outcome,
+seconds and limit), throughput/throughput.json, proofs/proofs.json, cuda_tests.xml (pytest's
+JUnit report), matrix/matrix.json, gpu_decode/gpu_decode.json, plan_check/plan_check.json.
 
-Reads what scripts/gpu_check.sh left in OUT_DIR: cuda_tests.xml (pytest's JUnit report),
-matrix/matrix.json (matrix.py), throughput/throughput.json (throughput.py),
-gpu_decode/gpu_decode.json (gpu_decode.py), plan_check/plan_check.json (plan_check.py)
-and steps.json (each step's exit code and seconds). Needs only torch and the standard library,
-so it reports even when multicard's own dependencies are missing.
+Standard library only, and every file and value may be missing or None (a step cut short, a
+number not measured): it always writes both files. gpu_check.sh runs it after every step and at
+the end. Exit 1 when something failed, else 0.
 
-    python scripts/gpu_check/summary.py OUT_DIR
+    python scripts/gpu_check/summary.py WORK OUT [--print]
 """
 
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
-
-import torch
+from typing import Any
 
 TARGETS = {  # name → (what, comparison, bound)
     "mfu": ("resnet18_cifar bf16 model FLOP utilisation", ">=", 0.30),
@@ -28,35 +25,47 @@ TARGETS = {  # name → (what, comparison, bound)
 }
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def environment() -> dict:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def read_steps(path: Path) -> list[dict]:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        lines = path.read_text().splitlines()
     except OSError:
-        commit = ""
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
-        "commit": commit or None,
-    }
+        return []
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill: the others still count
+    return steps
+
+
+def num(value: Any, spec: str = ",.0f", suffix: str = "") -> str:
+    """`value` formatted, or n/a for None or anything not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "n/a"
+    return f"{value:{spec}}{suffix}"
 
 
 def cuda_tests(report: Path) -> dict:
     """Counts and the names of failed and skipped tests (with the skip reasons)."""
     if not report.is_file():
         return {"status": "missing", "reason": f"{report.name} was not written"}
+    try:
+        cases = list(ET.parse(report).getroot().iter("testcase"))
+    except ET.ParseError as exc:
+        return {"status": "failed", "reason": f"{report.name} is not readable XML ({exc})"}
     out: dict = {"passed": 0, "failed": [], "skipped": []}
-    for case in ET.parse(report).getroot().iter("testcase"):
+    for case in cases:
+        if case.get("name") is None:  # the test running when pytest was interrupted (SIGINT at the limit)
+            out["interrupted"] = True
+            continue
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name', '?')}"
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
@@ -71,134 +80,180 @@ def cuda_tests(report: Path) -> dict:
 
 
 def targets(matrix: dict | None, throughput: dict | None) -> list[dict]:
-    values = {}
-    if throughput and throughput.get("status") == "passed":
-        values["mfu"] = throughput.get("mfu")
-        values["loader_share"] = throughput.get("loader_share")
-    one_gpu = matrix and matrix.get("gpus") == 1
-    ratios = [r["vs_single"] for r in (matrix or {}).get("runs", []) if r["strategy"] != "single" and r["vs_single"]]
-    if one_gpu and ratios:
+    values: dict[str, Any] = {}
+    if isinstance(throughput, dict) and throughput.get("status") == "passed":
+        values["mfu"], values["loader_share"] = throughput.get("mfu"), throughput.get("loader_share")
+    runs = (matrix or {}).get("runs") or []
+    ratios = [r.get("vs_single") for r in runs if r.get("strategy") != "single" and r.get("vs_single")]
+    if (matrix or {}).get("gpus") == 1 and ratios:
         values["vs_single"] = min(ratios)
     out = []
     for key, (what, op, bound) in TARGETS.items():
         value = values.get(key)
-        met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+        met = None if not isinstance(value, int | float) else (value >= bound if op == ">=" else value <= bound)
         out.append({"target": key, "what": what, "bound": f"{op} {bound}", "value": value, "met": met})
     return out
 
 
-def _cell(run: dict) -> str:
-    if run["status"] == "skipped":
-        return "skipped"
-    if run["status"] == "failed":
-        return f"FAILED ({run['reason'][:60]})"
-    ratio = f" ({run['vs_single']:.2f}×)" if run.get("vs_single") and run["strategy"] != "single" else ""
-    return f"{run['img_per_s']:,.0f}{ratio}" if run["img_per_s"] else "passed"
-
-
-def _not_passed(result: dict | None, name: str) -> list[str] | None:
-    if result is None:
-        return [f"not run ({name} missing)"]
+def status_line(result: dict | None, name: str) -> str | None:
+    """The line for a result that did not pass (None when it passed)."""
+    if not isinstance(result, dict):
+        return f"not run ({name} missing)"
     if result.get("status") != "passed":
-        return [f"{result.get('status', '?')}: {result.get('reason', '')}"]
+        return f"{result.get('status', '?')}: {result.get('reason', '')}"
     return None
 
 
-def _decode_lines(d: dict | None) -> list[str]:
-    if (early := _not_passed(d, "gpu_decode.json")) is not None:
-        return early
+def throughput_lines(tp: dict | None) -> list[str]:
+    if (line := status_line(tp, "throughput.json")) is not None:
+        return [line]
+    assert tp is not None
+    mfu = num(tp.get("mfu"), ".1%") if tp.get("mfu") is not None else f"n/a ({tp.get('mfu_reason', 'not measured')})"
+    return [f"{num(tp.get('img_per_s'))} img/s, {num(tp.get('step_ms'), '.2f')} ms/step, "
+            f"{num(tp.get('gflop_per_image'), '.3f')} GFLOP/image, {num(tp.get('achieved_tflops'), '.1f')} TFLOP/s, "
+            f"MFU {mfu}; loader {num(tp.get('loader_ms'), '.3f')} ms/batch = {num(tp.get('loader_share'), '.2%')} "
+            f"of a step; peak memory {tp.get('peak_mem_mb') or 'n/a'} MB"]  # fmt: skip
+
+
+def proof_lines(proofs: dict | None) -> list[str]:
+    rows = (proofs or {}).get("rows")
+    if not rows:
+        return ["not run (proofs.json missing)"]
+    out = []
+    for r in rows:
+        details = {k: v for k, v in r.items() if k not in ("name", "status", "reason", "wall_s")}
+        said = r.get("reason") if r.get("status") != "passed" else json.dumps(details)[:160]
+        seconds = f" ({num(r.get('wall_s'), '.1f', ' s')})" if r.get("wall_s") is not None else ""
+        out.append(f"- {r.get('name', '?')}: {str(r.get('status', '?')).upper()}{seconds} {said}")
+    return out
+
+
+def test_lines(tests: dict) -> list[str]:
+    if tests.get("status") == "missing" or "passed" not in tests:
+        return [f"not run ({tests.get('reason', '')})"]
+    cut = " (interrupted at the step's time limit: the rest did not run)" if tests.get("interrupted") else ""
+    lines = [f"{tests['passed']} passed, {len(tests['failed'])} failed, {len(tests['skipped'])} skipped{cut}"]
+    lines += [f"    FAILED {name}" for name in tests["failed"]]
+    lines += [f"    skipped: {reason}" for reason in sorted({s.split(": ", 1)[-1] for s in tests["skipped"]})]
+    return lines
+
+
+def _cell(run: dict) -> str:
+    if run.get("status") == "skipped":
+        return "skipped"
+    if run.get("status") == "failed":
+        return f"FAILED ({str(run.get('reason', ''))[:60]})"
+    ratio = f" ({run['vs_single']:.2f}×)" if run.get("vs_single") and run.get("strategy") != "single" else ""
+    return f"{num(run.get('img_per_s'))}{ratio}" if run.get("img_per_s") else "passed"
+
+
+def matrix_lines(matrix: dict | None) -> list[str]:
+    if not isinstance(matrix, dict):
+        return ["not run (matrix.json missing)"]
+    cols = [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)]
+    lines = ["| strategy | fp32 | bf16 | fp16 | bf16 + compile |", "|---|---|---|---|---|"]
+    runs = {(r.get("strategy"), r.get("precision"), r.get("compile")): r for r in matrix.get("runs") or []}
+    for strategy in ("single", "dp", "ddp"):
+        cells = [_cell(runs[(strategy, p, c)]) if (strategy, p, c) in runs else "—" for p, c in cols]
+        lines.append(f"| {strategy} | {' | '.join(cells)} |")
+    reasons = sorted({str(r.get("reason")) for r in runs.values() if r.get("status") == "skipped"})
+    return lines + [f"skipped: {reason}" for reason in reasons]
+
+
+def decode_lines(d: dict | None) -> list[str]:
+    if (line := status_line(d, "gpu_decode.json")) is not None:
+        return [line]
     assert d is not None
-    cpu, gpu = d["cpu"]["img_per_s"], d["gpu"]["img_per_s"]
-    return [f"{d['photos']} photos, batch {d['batch']}, {d['workers']} workers: CPU decode {cpu:,.0f} img/s, "
-            f"GPU decode {gpu:,.0f} img/s ({d['gpu_over_cpu']}×)"]  # fmt: skip
+    cpu, gpu = (d.get("cpu") or {}).get("img_per_s"), (d.get("gpu") or {}).get("img_per_s")
+    return [f"{d.get('photos')} photos ({d.get('root')}), batch {d.get('batch')}, {d.get('workers')} workers: "
+            f"CPU decode {num(cpu)} img/s, GPU decode {num(gpu)} img/s "
+            f"({num(d.get('gpu_over_cpu'), '.2f', '×')})"]  # fmt: skip
 
 
-def _plan_lines(p: dict | None) -> list[str]:
-    if (early := _not_passed(p, "plan_check.json")) is not None:
-        return early
+def plan_lines(p: dict | None) -> list[str]:
+    if (line := status_line(p, "plan_check.json")) is not None:
+        return [line]
     assert p is not None
-    pred, meas = p["predicted"], p["measured"]
+    pred, meas = p.get("predicted") or {}, p.get("measured") or {}
+    gib = 2**30
     return [
-        f"tensor memory: planned {pred['tensor_bytes'] / 2**30:.2f} GiB, max_memory_allocated "
-        f"{meas['peak_bytes'] / 2**30:.2f} GiB (ratio {p.get('memory_ratio')})",
-        f"step: planned {pred['step_s'] * 1000:.0f} ms, measured {meas['step_s'] * 1000:.0f} ms "
-        f"(ratio {p.get('time_ratio')})",
-        f"largest micro-batch: planned {pred['largest_micro_batch']}, probed: ran up to {p.get('largest_ran')}, "
-        f"first failure at {p.get('smallest_failed')}",
+        f"tensor memory: planned {num((pred.get('tensor_bytes') or 0) / gib, '.2f')} GiB, max_memory_allocated "
+        f"{num((meas.get('peak_bytes') or 0) / gib, '.2f')} GiB (ratio {num(p.get('memory_ratio'), '.3f')})",
+        f"step: planned {num((pred.get('step_s') or 0) * 1000)} ms, measured {num((meas.get('step_s') or 0) * 1000)} "
+        f"ms (ratio {num(p.get('time_ratio'), '.3f')})",
+        f"largest micro-batch: planned {pred.get('largest_micro_batch')}, probed: ran up to {p.get('largest_ran')}, "
+        f"first out of memory at {p.get('smallest_failed')}",
     ]
 
 
-def table(summary: dict) -> str:
-    env, tests, matrix, tp = summary["environment"], summary["cuda_tests"], summary["matrix"], summary["throughput"]
-    gpus = ", ".join(env["gpus"]) or "no CUDA device"
-    lines = [f"GPU check {env['date']}: {gpus}; torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}", ""]
-    if tests.get("status") == "missing":
-        lines.append(f"(a) CUDA tests: not run ({tests['reason']})")
-    else:
-        lines.append(f"(a) CUDA tests: {tests['passed']} passed, {len(tests['failed'])} failed, "
-                     f"{len(tests['skipped'])} skipped")  # fmt: skip
-        lines += [f"    FAILED {name}" for name in tests["failed"]]
-        reasons = sorted({s.split(": ", 1)[-1] for s in tests["skipped"]})
-        lines += [f"    skipped: {reason}" for reason in reasons]
-    lines += ["", "(b) every GPU path, steady img/s (× single per GPU)", ""]
-    if matrix is None:
-        lines.append("not run (matrix.json missing)")
-    else:
-        cols = [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)]
-        lines += ["| strategy | fp32 | bf16 | fp16 | bf16 + compile |", "|---|---|---|---|---|"]
-        runs = {(r["strategy"], r["precision"], r["compile"]): r for r in matrix["runs"]}
-        for strategy in ("single", "dp", "ddp"):
-            cells = [_cell(runs[(strategy, p, c)]) if (strategy, p, c) in runs else "—" for p, c in cols]
-            lines.append(f"| {strategy} | {' | '.join(cells)} |")
-        reasons = sorted({r["reason"] for r in matrix["runs"] if r["status"] == "skipped"})
-        lines += [f"skipped: {reason}" for reason in reasons]
-    lines += ["", "(c) resnet18_cifar 32×32, batch 512, bf16, channels_last, compiled, device loader"]
-    if tp is None:
-        lines.append("not run (throughput.json missing)")
-    elif tp.get("status") != "passed":
-        lines.append(f"{tp.get('status', '?')}: {tp.get('reason', '')}")
-    else:
-        mfu = f"{100 * tp['mfu']:.1f}%" if tp.get("mfu") is not None else f"n/a ({tp.get('mfu_reason')})"
-        lines.append(f"{tp['img_per_s']:,.0f} img/s, {tp['step_ms']} ms/step, {tp['gflop_per_image']} GFLOP/image, "
-                     f"{tp['achieved_tflops']} TFLOP/s, MFU {mfu}; loader {tp['loader_ms']} ms/batch = "
-                     f"{100 * tp['loader_share']:.2f}% of a step; peak memory {tp['peak_mem_mb']} MB")  # fmt: skip
-    lines += ["", "(d) JPEG decode of the ImageNet sample, CPU workers vs GPU (nvjpeg)"]
-    lines += _decode_lines(summary.get("gpu_decode"))
-    lines += ["", "(e) multicard plan vs measured: vit_b_16 224×224 bf16, one GPU"]
-    lines += _plan_lines(summary.get("plan_check"))
-    lines += ["", "targets:"]
-    for t in summary["targets"]:
+def table(s: dict) -> str:
+    env = s.get("environment") or {}
+    gpus = ", ".join(env.get("gpus") or []) or "no CUDA device"
+    lines = [f"# GPU check {env.get('date', '')}: {gpus}", "",
+             f"torch {env.get('torch')} (CUDA {env.get('cuda')}), torchvision {env.get('torchvision')}, "
+             f"Python {env.get('python')}, omegaconf {env.get('omegaconf')}", ""]  # fmt: skip
+    if env.get("failed_imports"):
+        lines += [f"preflight: cannot import {k}: {v}" for k, v in env["failed_imports"].items()] + [""]
+    lines += ["| step | outcome | seconds | limit s | note |", "|---|---|---|---|---|"]
+    for step in s.get("steps") or []:
+        lines.append(f"| {step.get('name')} | {step.get('status')} | {step.get('seconds')} | {step.get('limit_s')} "
+                     f"| {step.get('reason', '')} |")  # fmt: skip
+    sections = [
+        ("(1) resnet18_cifar 32×32, batch 512, bf16, channels_last, compiled, device loader",
+         throughput_lines(s.get("throughput"))),
+        ("(2) what one GPU proves", proof_lines(s.get("proofs"))),
+        ("(3) CUDA tests", test_lines(s.get("cuda_tests") or {})),
+        ("(4) every GPU path, steady img/s (× single per GPU)", matrix_lines(s.get("matrix"))),
+        ("(5) JPEG decode, CPU workers vs GPU (nvjpeg)", decode_lines(s.get("gpu_decode"))),
+        ("(6) multicard plan vs measured: vit_b_16 224×224 bf16, one GPU", plan_lines(s.get("plan_check"))),
+    ]  # fmt: skip
+    for title, body in sections:
+        lines += ["", f"## {title}", "", *body]
+    lines += ["", "## targets", ""]
+    for t in s.get("targets") or []:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        value = "" if t["value"] is None else f" {t['value']}"
-        lines.append(f"  {t['what']} {t['bound']}:{value} {verdict}")
-    steps = summary.get("steps") or {}
-    if steps:
-        lines += ["", "steps: " + ", ".join(f"{k} {v['seconds']} s (exit {v['rc']})" for k, v in steps.items())]
+        lines.append(f"- {t['what']} {t['bound']}: {'' if t['value'] is None else t['value']} {verdict}")
     return "\n".join(lines)
 
 
-def main() -> int:
-    out = Path(sys.argv[1])
-    matrix = _read_json(out / "matrix" / "matrix.json")
-    throughput = _read_json(out / "throughput" / "throughput.json")
-    summary = {
-        "environment": environment(),
-        "steps": _read_json(out / "steps.json"),
-        "cuda_tests": cuda_tests(out / "cuda_tests.xml"),
-        "matrix": matrix,
+def summarise(work: Path) -> dict:
+    matrix = read_json(work / "matrix" / "matrix.json")
+    throughput = read_json(work / "throughput" / "throughput.json")
+    return {
+        "environment": read_json(work / "preflight" / "preflight.json"),
+        "steps": read_steps(work / "steps.jsonl"),
         "throughput": throughput,
-        "gpu_decode": _read_json(out / "gpu_decode" / "gpu_decode.json"),
-        "plan_check": _read_json(out / "plan_check" / "plan_check.json"),
+        "proofs": read_json(work / "proofs" / "proofs.json"),
+        "cuda_tests": cuda_tests(work / "cuda_tests.xml"),
+        "matrix": matrix,
+        "gpu_decode": read_json(work / "gpu_decode" / "gpu_decode.json"),
+        "plan_check": read_json(work / "plan_check" / "plan_check.json"),
         "targets": targets(matrix, throughput),
     }
-    text = table(summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def failed(s: dict) -> bool:
+    """Whether any step, test or row failed (skipped and not measured are not failures)."""
+    results = [s.get(k) for k in ("throughput", "gpu_decode", "plan_check")]
+    rows = [*((s.get("proofs") or {}).get("rows") or []), *((s.get("matrix") or {}).get("runs") or [])]
+    return (
+        any(step.get("status") not in ("passed", "skipped") for step in s.get("steps") or [])
+        or bool((s.get("cuda_tests") or {}).get("failed"))
+        or any(isinstance(r, dict) and r.get("status") == "failed" for r in [*results, *rows])
+    )
+
+
+def main(argv: list[str]) -> int:
+    work, out = Path(argv[0]), Path(argv[1])
+    s = summarise(work)
+    text = table(s)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(s, indent=1))
     (out / "summary.md").write_text(text + "\n")
-    print(text)
-    failed = summary["cuda_tests"].get("failed") or any(r["status"] == "failed" for r in (matrix or {}).get("runs", []))
-    others = (throughput, summary["gpu_decode"], summary["plan_check"])
-    return 1 if failed or any((r or {}).get("status") == "failed" for r in others) else 0
+    if "--print" in argv:
+        print(text)
+    return 1 if failed(s) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -58,7 +58,6 @@ WORKLOAD = [
 ]
 
 
-
 def flops_per_image(cfg, device: torch.device, batch: int = 8) -> float:
     """Forward + backward FLOPs of one training image, counted, not estimated by hand."""
     model = build_model(cfg.model.name, cfg.data.num_classes, dict(cfg.model.kwargs)).to(device)

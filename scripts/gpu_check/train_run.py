@@ -9,12 +9,26 @@ autotuning, torch.compile) are left out.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+
+def seconds_left(default: float = float("inf")) -> float:
+    """Seconds until this step's deadline (GPU_CHECK_DEADLINE, Unix time, set by gpu_check.sh)."""
+    deadline = os.environ.get("GPU_CHECK_DEADLINE")
+    return float(deadline) - time.time() if deadline else default
+
+
+def cuda_or_reason() -> str | None:
+    """None where a CUDA device is usable, else why not (every CUDA row's skip reason)."""
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
 
 
 @dataclass
@@ -64,7 +78,11 @@ def train(
     warmup_steps: int = 10,
     timeout_s: float = 300,
 ) -> TrainRun:
-    """Train with `overrides` (plus out_dir and train.resume=never) and summarise the run."""
+    """Train with `overrides` (plus out_dir and train.resume=never) and summarise the run; the run
+    is stopped at `timeout_s` or at the step's deadline, whichever comes first."""
+    timeout_s = min(timeout_s, seconds_left() - 5)
+    if timeout_s < 10:
+        return TrainRun("skipped", "time budget spent")
     shutil.rmtree(out_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "multicard", "train", *(launch or []), *overrides, f"out_dir={out_dir}",
            "train.resume=never"]  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from multicard import __version__
@@ -24,7 +25,7 @@ from multicard.config import load_config, parse_devices, to_dict
 from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.plan.arguments import add_plan_parser
-from multicard.preflight import check_extras, prepare_out_dir
+from multicard.preflight import check_extras, check_output_folder, prepare_out_dir
 from multicard.process_group import (
     ProcessEnv,
     communication_failure,
@@ -34,8 +35,9 @@ from multicard.process_group import (
     resolve_gpus,
 )
 from multicard.run_lock import RunLock
+from multicard.stopping import BeforeTraining
 from multicard.topology import resolve
-from multicard.verify.checks import FAULTS
+from multicard.verify.checks import CHECKS, FAULTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,12 +121,16 @@ def build_parser() -> _Parser:
     add_plan_parser(sub)
 
     v = _command(
-        sub, "verify", "check on this machine that N-process DDP trains like one process", "YAML config file",
-        "model.name=smallcnn",
+        sub, "verify", "check on this machine that N-process DDP trains like one process and resumes exactly",
+        "YAML config file", "model.name=smallcnn",
     )  # fmt: skip
     v.add_argument("--nproc-per-node", type=int, default=2, help="processes of the DDP run (default 2)")
     v.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default 4)")
-    v.add_argument("--break", dest="fault", choices=FAULTS, help="break the setup on purpose")
+    v.add_argument(
+        "--break", dest="faults", action="append", default=[], choices=FAULTS,
+        help="break the setup (no-set-epoch, rank-seed) or its checkpoints (rng, data-position) on purpose; repeatable",
+    )  # fmt: skip
+    v.add_argument("--checks", default=",".join(CHECKS), help=f"which checks to run (default {','.join(CHECKS)})")
     v.add_argument("--keep", help="keep the runs' files in this directory")
     return parser
 
@@ -134,7 +140,11 @@ def _verify(args: argparse.Namespace) -> int:
 
     if detect_env().launched:
         raise UserError("multicard verify starts its own processes; run it without torchrun or srun")
-    options = VerifyOptions(args.config, args.overrides, args.nproc_per_node, args.steps, args.fault, args.keep)
+    if args.keep:
+        check_output_folder(args.keep, "--keep")
+    options = VerifyOptions(
+        args.config, args.overrides, args.nproc_per_node, args.steps, args.faults, args.keep, args.checks.split(",")
+    )
     failed = [o for o in verify(options) if o.failed]
     if failed:
         raise VerifyFailed(f"{len(failed)} check(s) failed: {'; '.join(o.name for o in failed)}")
@@ -154,6 +164,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     if detect_env().launched:
         raise UserError("multicard bench starts its own processes; run it without torchrun or srun")
+    check_output_folder(args.out, "--out")
     options = BenchOptions(
         config=args.config,
         overrides=args.overrides,
@@ -213,13 +224,17 @@ def _train(args: argparse.Namespace) -> int:
 
         check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
     check_extras(cfg)
+    check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))
+    fresh = not Path(cfg.out_dir).exists()
     out_dir = prepare_out_dir(cfg.out_dir)
-    check_resume_settings(out_dir / "checkpoints", cfg.train.resume, to_dict(cfg))
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
-    with RunLock(out_dir) as lock:
+    with RunLock(out_dir, made_out_dir=fresh) as lock:
         if options.node_rank == 0:  # node 0 holds it for the whole job, restarts included
             lock.acquire(print)
-        return launch_workers(options, worker_argv)
+        code = launch_workers(options, worker_argv, stop_timeout_s=cfg.checkpoint.stop_timeout_s)
+        if code == ExitCode.BAD_INPUT:
+            lock.refused()  # leaves out_dir as it found it (what a run wrote before failing stays)
+        return code
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -275,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
             "plan": _plan,
         }  # fmt: skip
+        if args.command == "train" and not detect_env().launched:
+            with BeforeTraining():  # a stop signal in start-up is one line too (a worker's launcher says it)
+                return _train(args)
         return commands_by_name[args.command](args)
     except Stopped as exc:
         if detect_env().rank == 0:  # every rank stopped alike; one line is enough
@@ -283,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     except MulticardError as exc:
         env = detect_env()
         where = f" (rank {env.rank})" if env.world_size > 1 else ""
-        say_line(f"multicard: error{where}: {exc}")
+        if env.rank == 0 or not getattr(exc, "agreed", False):  # an error every rank met: rank 0 says it
+            say_line(f"multicard: error{where}: {exc}")
         if env.launched and env.world_size > 1:
             # End now, before interpreter shutdown closes this rank's connections: a peer that
             # loses them must not exit first, or the launcher would report its error, not ours.

@@ -19,17 +19,23 @@ from multicard.run_lock import RunLock
 from multicard.session import open_session, seeded_model, start_process
 from multicard.telemetry import Reporter, TensorBoardLog, TrainingLog
 from multicard.topology import Topology, resolve
+from multicard.tracking import TrackerLog
 from multicard.trainer import Callback, EvalResult, evaluate
 
 
 def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:
     """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
     check_extras(cfg)
+    fresh = not Path(cfg.out_dir).exists()
     out_dir = prepare_out_dir(cfg.out_dir)
-    with RunLock(out_dir) as lock:
+    with RunLock(out_dir, made_out_dir=fresh) as lock:
         if env.launcher_pid is None and env.rank == 0:  # else multicard's launcher holds it
             lock.acquire(print)
-        return _train_in(out_dir, cfg, env)
+        try:
+            return _train_in(out_dir, cfg, env)
+        except UserError:
+            lock.refused()  # leaves out_dir as it found it (what a run wrote before failing stays)
+            raise
 
 
 def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
@@ -65,9 +71,11 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None
             callbacks: list[Callback] = [checkpointer, TrainingLog(reporter, cfg.data)]
+            resumed_at = state["step"] if state is not None else None
             if cfg.log.tensorboard:
-                resumed_at = state["step"] if state is not None else None
                 callbacks.append(TensorBoardLog(out_dir / "tensorboard", s.ctx.is_main, resumed_at))
+            if cfg.log.mlflow or cfg.log.wandb:
+                callbacks.append(TrackerLog(cfg, out_dir, s.ctx.is_main, resumed_at))
             result = trainer.fit(callbacks)
             if result is not None:
                 reporter.print(

@@ -23,7 +23,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
-DATASETS = ("synthetic", "cifar10", "imagefolder")
+DATASETS = ("synthetic", "cifar10", "imagefolder", "hf")  # or package.module:function (multicard.data.user)
 LOADERS = ("auto", "device", "workers")
 DECODERS = ("cpu", "gpu", "auto")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -36,7 +36,14 @@ MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 4096
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "synthetic"  # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder
+    # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder | hf (a Hugging Face dataset at data.root:
+    # save_to_disk or parquet files) | package.module:function (your own dataset function; README, Your own data)
+    name: str = "synthetic"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # package.module:function: its keyword arguments
+    hf_image: str = "image"  # hf: the image column
+    hf_label: str = "label"  # hf: the label column (integers; class names from its ClassLabel feature)
+    hf_train_split: str = "train"  # hf: the training split
+    hf_val_split: str | None = None  # hf: None = validation, else test, else a seeded data.val_fraction of train
     root: str | None = None  # dataset directory (cifar10, imagefolder)
     download: bool = False  # cifar10: fetch it into root through torchvision when missing
     val_root: str | None = None  # evaluate on this directory of class folders instead
@@ -46,7 +53,7 @@ class DataConfig:
     # Large images with the workers loader: cpu (workers decode and crop) | gpu (JPEG batches decoded on
     # CUDA with nvjpeg, crops made there) | auto (gpu where CUDA is in use, else cpu)
     decode: str = "cpu"
-    num_workers: int = -1  # workers loader: processes per rank; -1 = cores per rank, at most 8
+    num_workers: int = -1  # workers loader: processes per rank; -1 = cores per rank, at most 8; capped to those cores
     cache_dir: str | None = None  # device loader's decoded-image cache; default ~/.cache/multicard
     image_size: int = 32  # side of training images (generated, decoded or cropped)
     eval_resize: int = 0  # large images: resize before the centre crop; 0 = image_size × 8/7
@@ -152,6 +159,9 @@ class CheckpointConfig:
     format: str = "auto"
     # sharded: write in the background while training goes on (costs one CPU copy of each rank's state)
     async_save: bool = False
+    # A signal to multicard's launcher: seconds the workers get to write the stop's checkpoint and
+    # exit before they are killed (torch's agent alone would give 30)
+    stop_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +175,15 @@ class DebugConfig:
 @dataclass(frozen=True)
 class LogConfig:
     tensorboard: bool = False  # scalars in out_dir/tensorboard (rank 0; pip install 'multicard[tensorboard]')
+    # Experiment trackers, rank 0, TensorBoard's scalars at its steps plus config, final metrics, report
+    # figure (README, Tracking). MLflow: pip install 'multicard[mlflow]'
+    mlflow: bool = False
+    mlflow_uri: str | None = None  # tracking URI; None: MLFLOW_TRACKING_URI, else out_dir/mlruns
+    mlflow_experiment: str | None = None  # None: MLFLOW_EXPERIMENT_NAME, else multicard
+    wandb: bool = False  # Weights & Biases in out_dir/wandb: pip install 'multicard[wandb]'
+    wandb_project: str | None = None  # None: WANDB_PROJECT, else multicard
+    wandb_mode: str = "auto"  # auto: WANDB_MODE, else offline (sync later: wandb sync) | offline | online
+    on_tracker_error: str = "warn"  # warn: one warning, train on without that tracker | fail: end the run (exit 2)
 
 
 @dataclass(frozen=True)
@@ -340,10 +359,13 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.name, "optim.name", OPTIMIZERS)
     _choice(cfg.optim.lr_scaling, "optim.lr_scaling", LR_SCALING)
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
-    _choice(cfg.data.name, "data.name", DATASETS)
+    if ":" not in cfg.data.name and cfg.data.name not in DATASETS:  # a function is checked when it is imported
+        raise UserError(f"data.name={cfg.data.name} is not one of {', '.join(DATASETS)}, or package.module:function")
     _choice(cfg.data.loader, "data.loader", LOADERS)
     _choice(cfg.data.decode, "data.decode", DECODERS)
     _choice(cfg.debug.on_stall, "debug.on_stall", ("report", "abort"))
+    _choice(cfg.log.wandb_mode, "log.wandb_mode", ("auto", "offline", "online"))
+    _choice(cfg.log.on_tracker_error, "log.on_tracker_error", ("warn", "fail"))
     stall_seconds(cfg.debug)
     _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
     _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
@@ -355,7 +377,7 @@ def validate(cfg: Config) -> None:
     if cfg.ddp.powersgd_start_step < 2:
         raise UserError(f"ddp.powersgd_start_step={cfg.ddp.powersgd_start_step} must be >= 2 (error feedback needs it)")
     _choice(cfg.compile_mode, "compile_mode", COMPILE_MODES)
-    if cfg.data.name != "synthetic" and not cfg.data.root:
+    if cfg.data.name in ("cifar10", "imagefolder", "hf") and not cfg.data.root:
         raise UserError(f"data.name={cfg.data.name} reads files: set data.root=DIR")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
@@ -380,6 +402,7 @@ def validate(cfg: Config) -> None:
     _positive(cfg.log_every, "log_every")
     _positive(cfg.checkpoint.every_steps, "checkpoint.every_steps", zero_ok=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    _positive(cfg.checkpoint.stop_timeout_s, "checkpoint.stop_timeout_s")
     _within(cfg.threads, "threads", 0, MAX_THREADS, hi_open=False)
     _positive(cfg.seed, "seed", zero_ok=True)
     _within(cfg.optim.momentum, "optim.momentum", 0, 1)

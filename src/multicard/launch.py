@@ -10,23 +10,33 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from multicard.config import CheckpointConfig
 from multicard.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
 from multicard.host_memory import available_memory
 from multicard.process_group import LAUNCHER_PID, cpu_cores, wait_for_master
+from multicard.stopping import STOP_SIGNALS, hand_over, quit_line
 
-# The agent forwards these to the workers: they checkpoint and exit 128 + signal, or quit at
-# once on SIGQUIT (stopping.py).
-SIGNALS_TO_FORWARD = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# The launcher passes these on to the workers (StopRelay): they checkpoint and exit 128 + signal,
+# or quit at once on SIGQUIT (stopping.py). torch's agent handles none of them: it would give a
+# stop 30 s, then kill the workers, and speak in lines of its own.
+SIGNALS_TO_FORWARD = (*STOP_SIGNALS, signal.SIGQUIT)
+KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for a worker stuck in the kernel before giving up on it
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,10 @@ def _rendezvous(options: LaunchOptions, addr: str, port: int) -> dict:
     --standalone) or hosted by node 0's agent at --master-addr:--master-port."""
     if options.nnodes == 1:
         private = f"multicard-{uuid.uuid4().hex[:8]}"
-        return {"rdzv_backend": "c10d", "rdzv_endpoint": f"{addr}:{port}", "run_id": private}
+        # Hosted here, said outright: else, on a port another process took since free_port chose it,
+        # torch's agent quietly joins that process's store, and the job dies when that process ends.
+        rendezvous = {"rdzv_endpoint": f"{addr}:{port}", "run_id": private, "rdzv_configs": {"is_host": True}}
+        return {"rdzv_backend": "c10d", **rendezvous}
     return {
         "rdzv_backend": "c10d",
         "rdzv_endpoint": f"{addr}:{port}",
@@ -151,24 +164,25 @@ def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, d
     return code, json.loads(result.read_text()) if result.exists() else None
 
 
-def _cause(exc: ChildFailedError) -> tuple[int, int]:
-    """(rank, exit code) of the failure that ended the job: a rank that said why (its own
-    error) rather than peers that then lost their connection or were stopped by the agent;
-    else a rank killed by a signal; else the first to fail."""
-    failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+def _failures(exc: ChildFailedError) -> list[tuple[int, int]]:
+    """(rank, exit code) of each failed worker, in the order they failed."""
+    by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+    return [(rank, f.exitcode if f.exitcode >= 0 else 128 - f.exitcode) for rank, f in by_time]
 
-    def code(failure: ProcessFailure) -> int:
-        return failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
 
+def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+    """(rank, exit code) of the failure that ended the job, from (rank, code) in the order the
+    workers failed: a rank that said why (its own error) rather than peers that then lost their
+    connection or were stopped by the agent; else a rank killed by a signal; else the first to fail."""
     for pick in (
         lambda c: c in SELF_REPORTED and c not in STOPPED_BY_SIGNAL,
         lambda c: c > 128 and c not in STOPPED_BY_SIGNAL,  # killed by a signal nobody sent on purpose
         lambda c: c != ExitCode.PEER_LOST,
         lambda c: True,
     ):
-        for rank, failure in failures:
-            if pick(code(failure)):
-                return rank, code(failure)
+        for rank, code in failures:
+            if pick(code):
+                return rank, code
     raise AssertionError("a failed job has failures")
 
 
@@ -185,12 +199,161 @@ def _describe(rank: int, code: int) -> str | None:
     return f"worker rank {rank} failed with exit code {code} (its traceback is above)"
 
 
-def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str = "multicard") -> int:
+def _workers() -> dict[int, int]:
+    """pid → global rank of this launcher's workers: its child processes (torch's agent starts
+    each in a process group of its own, with its data-loader processes)."""
+    me, found = os.getpid(), {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                ranks = [v for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")]
+                found.update({int(entry.name): int(ranks[0][5:])} if ranks else {})
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def _ended(pid: int) -> tuple[int, bool] | None:
+    """(exit code, killed by a signal) of a worker that has ended, left for the agent to reap; None: running."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0, False  # already reaped: it ended, how is no longer known
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status, False
+    return 128 + info.si_status, True
+
+
+class StopRelay:
+    """The launcher's handling of SIGNALS_TO_FORWARD, in place of torch's agent's.
+
+    The first signal goes to every worker's process group; the launcher then waits up to
+    `timeout` seconds (checkpoint.stop_timeout_s) for them to checkpoint and exit, and kills them
+    after that, or at once after a second SIGINT (a SIGQUIT is passed on: stacks show where a
+    slow stop is). The agent's run then ends with SignalException, so no restart follows a stop,
+    and `report` says in one line what happened (nothing when rank 0 has said it).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.signum = 0
+        self.quit = False  # a second SIGINT: workers killed
+        self.timed_out = False
+        self.ended: dict[int, tuple[int, int, bool]] = {}  # pid → (rank, exit code, killed by a signal), in order
+        self._ranks: dict[int, int] = {}
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRelay:
+        if threading.current_thread() is threading.main_thread():  # only it may handle signals
+            for sig in SIGNALS_TO_FORWARD:
+                self._previous[sig] = signal.signal(sig, self._handle)
+                hand_over(self._previous[sig])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum:  # while waiting for the stop (the handler runs again inside _wait)
+            if signum == signal.SIGINT == self.signum:
+                self.quit = True
+            elif signum == signal.SIGQUIT:
+                self._send(signum)
+            return
+        self.signum = signum
+        self._ranks = _workers()
+        self._send(signum)
+        self._wait()
+        raise SignalException(f"multicard's launcher got {signal.Signals(signum).name}", signal.Signals(signum))
+
+    def _send(self, signum: int) -> None:
+        for pid in self._ranks:
+            if pid not in self.ended:
+                try:
+                    os.killpg(pid, signum)
+                except ProcessLookupError:
+                    pass  # ended meanwhile
+
+    def _wait(self) -> None:
+        """Until every worker has ended. Killed: on a second SIGINT, past the timeout, or once one
+        died of the signal itself (it had no handler yet; the others cannot agree on a stop without it)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            for pid, rank in self._ranks.items():
+                if pid not in self.ended and (status := _ended(pid)) is not None:
+                    self.ended[pid] = (rank, *status)
+            if len(self.ended) == len(self._ranks) or time.monotonic() > deadline + KILL_WAIT_S:
+                return
+            self.timed_out = self.timed_out or (time.monotonic() > deadline and not self.quit)
+            if self.quit or self.timed_out or self._unprepared():
+                self._send(signal.SIGKILL)
+            time.sleep(0.05)
+
+    def _unprepared(self) -> list[int]:
+        """Ranks the signal itself ended: they had not yet started training (no handler)."""
+        return [rank for rank, code, killed in self.ended.values() if killed and code == 128 + self.signum]
+
+    def report(self, training: bool) -> int:
+        """Say what the stop came to, in at most one line; its exit code."""
+        name = signal.Signals(self.signum).name
+        stopped = ExitCode.for_signal(self.signum)
+        if self.quit:
+            print(quit_line(self.signum), file=sys.stderr)
+            return stopped
+        if self.timed_out:
+            print(
+                f"multicard: error: the stop on {name} took longer than {self.timeout:g} s; workers killed before "
+                f"their checkpoint was complete (the last one written stays); raise checkpoint.stop_timeout_s",
+                file=sys.stderr,
+            )
+            return stopped
+        if not self.ended or self._unprepared():
+            tail = " before training started; nothing to save" if training else "; workers terminated"
+            print(f"multicard: stopped by {name}{tail}", file=sys.stderr)
+            return stopped
+        failures = [(rank, code) for rank, code, _ in self.ended.values() if code != ExitCode.OK]
+        if not failures:
+            return ExitCode.OK  # the job ended before the stop took effect
+        rank, code = _cause(failures)
+        line = _describe(rank, code)
+        if line is not None:
+            print(f"multicard: error: {line}", file=sys.stderr)
+        return code
+
+
+def _quiet_torch_agent() -> None:
+    """torch's agent logs each worker's end and each signal; our one line says what matters.
+    Its modules set their loggers' levels themselves, so each is raised, not just their parent."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch_workers(
+    options: LaunchOptions,
+    worker_argv: list[str],
+    module: str = "multicard",
+    stop_timeout_s: float = CheckpointConfig.stop_timeout_s,
+) -> int:
     """Run `python -m <module> <worker_argv>` in nproc_per_node workers; return the exit code.
+    A signal to the launcher gives the workers up to `stop_timeout_s` to stop (StopRelay).
 
     Several nodes: ranks follow the rendezvous order (by node address), not --node-rank, which
     only says which node hosts the rendezvous.
     """
+    relay = StopRelay(stop_timeout_s)
+    try:
+        with relay:  # from the start: a signal while waiting for node 0 or the rendezvous is answered too
+            return _launch(options, worker_argv, module)
+    except SignalException:
+        # A signal to the launcher: StopRelay has passed it on and the workers have ended.
+        return relay.report(training=module == "multicard" and worker_argv[:1] == ["train"])
+
+
+def _launch(options: LaunchOptions, worker_argv: list[str], module: str, port_tries: int = 3) -> int:
     addr = options.master_addr or "127.0.0.1"
     port = options.master_port or free_port()
     if options.master_port is not None and options.node_rank == 0:
@@ -199,8 +362,7 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
         hint = "start node 0 with the same --master-addr/--master-port, open that port, or raise --rdzv-timeout"
         wait_for_master(addr, port, options.rdzv_timeout, hint)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: they die with this process
-    # torch's agent logs each worker's end and every signal it sends; our one line says what matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _quiet_torch_agent()
     logs = tempfile.mkdtemp(prefix="multicard-launch-")  # else torch's agent leaves a directory in /tmp per run
     config = LaunchConfig(
         min_nodes=options.nnodes,
@@ -208,26 +370,29 @@ def launch_workers(options: LaunchOptions, worker_argv: list[str], module: str =
         nproc_per_node=options.nproc_per_node,
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
-        signals_to_handle=SIGNALS_TO_FORWARD,
+        signals_to_handle="",  # none: StopRelay handles them
         logs_specs=DefaultLogsSpecs(log_dir=logs),
         **_rendezvous(options, addr, port),
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_argv)
-    except SignalException as exc:
-        # A signal to the launcher: the agent has passed it on and the workers have ended.
-        print(f"multicard: stopped by {exc.sigval.name}; workers terminated", file=sys.stderr)
-        return ExitCode.for_signal(int(exc.sigval))
     except RendezvousTimeoutError:
         raise UserError(
             f"not all {options.nnodes} nodes joined the rendezvous at {addr}:{port} within "
             f"{options.rdzv_timeout} s; start every node with the same --nnodes/--master-addr/--master-port "
             f"or raise --rdzv-timeout"
         ) from None
+    except RendezvousConnectionError:
+        if options.master_port is None and options.nnodes == 1 and port_tries > 1:
+            return _launch(options, worker_argv, module, port_tries - 1)  # its free port was taken meanwhile
+        raise UserError(
+            f"rendezvous at {addr}:{port} failed: this node cannot host its store there (the port is taken, or the "
+            f"address is not this machine's); choose another --master-port or --master-addr"
+        ) from None
     except RendezvousError as exc:
         raise UserError(f"rendezvous at {addr}:{port} failed ({exc}); see docs/multinode.md") from None
     except ChildFailedError as exc:
-        rank, code = _cause(exc)
+        rank, code = _cause(_failures(exc))
         line = _describe(rank, code)
         if line is not None:
             print(f"multicard: error: {line}", file=sys.stderr)

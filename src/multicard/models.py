@@ -149,6 +149,11 @@ def torchvision_models() -> Any:
 def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = None) -> nn.Module:
     """Build an untrained classifier with `num_classes` outputs."""
     kwargs = dict(kwargs or {})
+    if "num_classes" in kwargs:  # every factory takes it from the data: two values would clash
+        raise UserError(
+            f"model.kwargs.num_classes={kwargs['num_classes']}: the number of classes comes from the data "
+            f"(data.num_classes for synthetic data, else the class folders); remove it from model.kwargs"
+        )
     if name.startswith(TIMM_PREFIX):
         factory = _timm_factory(name)
     elif ":" in name:

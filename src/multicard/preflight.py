@@ -4,11 +4,13 @@ can be written, and the optional packages the config asks for are installed."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from multicard.config import Config
 from multicard.errors import UserError
-from multicard.telemetry import tensorboard_writer
+from multicard.telemetry import check_tensorboard_folder, tensorboard_writer
+from multicard.tracking import check_trackers
 
 
 def prepare_out_dir(path: str) -> Path:
@@ -22,7 +24,29 @@ def prepare_out_dir(path: str) -> Path:
     return out
 
 
+def check_output_folder(path: str, flag: str) -> None:
+    """The folder a command writes its results into (plan --out, bench --out, verify --keep) can
+    be: checked before any work, so a file in its place or a folder that cannot be written is one
+    line now, not a traceback after minutes of measuring. Nothing is created here; a file is
+    written and removed in the folder (or its nearest existing parent) to see, as permission bits
+    do not tell (root, read-only mounts)."""
+    out = Path(path).expanduser()
+    where = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not where.is_dir():
+        inside = "" if where == out else f": {where}"
+        raise UserError(f"{flag} {path}{inside} is a file; give a folder (the results are written inside it)")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UserError(f"{flag} {path} cannot be written ({reason}); choose another folder") from None
+
+
 def check_extras(cfg: Config) -> None:
-    """Optional packages the config asks for are installed (one line naming the extra if not)."""
+    """Optional packages the config asks for are installed (one line naming the extra if not), and
+    the folder TensorBoard writes to can be written."""
     if cfg.log.tensorboard:
         tensorboard_writer()
+        check_tensorboard_folder(Path(cfg.out_dir) / "tensorboard")
+    check_trackers(cfg)

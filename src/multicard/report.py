@@ -8,7 +8,9 @@ validation top-1, training time and throughput.
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,19 +26,53 @@ class Run:
     stragglers: list[dict[str, Any]] = field(default_factory=list)
 
 
+# Fields each kind of record must hold as numbers for the summary and the figure; a record
+# without them (or with a string where a number goes) is skipped like a line a crash cut short.
+NEEDED = {
+    "step": ("step", "loss", "top1", "lr", "img_per_s"),
+    "epoch": ("epoch", "step"),
+    "straggler": ("step", "rank"),
+}
+NUMERIC = ("epoch_s", "step_ms", "val_top1", "val_loss", "train_loss", "train_top1")  # optional, else null
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _readable(record: Any) -> bool:
+    if not isinstance(record, dict):
+        return False
+    needed = NEEDED.get(record.get("kind"), ())
+    return all(_number(record.get(k)) for k in needed) and all(
+        record.get(k) is None or _number(record[k]) for k in NUMERIC
+    )
+
+
 def load_run(run_dir: Path) -> Run:
-    """A run's records; lines a crash cut short are skipped."""
+    """A run's records. Lines that are not records (cut short by a crash, edited, another file's)
+    are skipped, and one warning says how many."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{run_dir} holds no metrics.jsonl; give the out_dir of a multicard run")
     run = Run(run_dir.name if run_dir.name not in ("", ".") else str(run_dir))
     kinds = {"step": run.steps, "epoch": run.epochs, "straggler": run.stragglers}
-    for line in metrics.read_text(encoding="utf-8").splitlines():
+    skipped = 0
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
+            record = None
+        if not _readable(record):
+            skipped += bool(line.strip())
             continue
         kinds.get(record.get("kind"), []).append(record)
+    if skipped:
+        print(
+            f"multicard: warning: skipped {skipped} unreadable line(s) of {metrics} (cut short, not a JSON "
+            f"record, or a value that is not a number)",
+            file=sys.stderr,
+        )
     if not run.steps and not run.epochs:
         raise UserError(f"{metrics} holds no step or epoch records yet; report a run that has trained")
     return run
@@ -45,7 +81,7 @@ def load_run(run_dir: Path) -> Run:
 def summary(run: Run) -> str:
     """'name: best val top-1 93.10% (epoch 9), final 93.10%; 640 steps in 31.2 s at 2115 img/s'."""
     parts = [f"{run.name}:"]
-    vals = [e for e in run.epochs if e.get("val_top1") is not None]
+    vals = [e for e in run.epochs if e.get("val_top1") is not None and math.isfinite(e["val_top1"])]
     if vals:
         best = max(vals, key=lambda e: e["val_top1"])
         final = vals[-1]["val_top1"]
@@ -111,12 +147,23 @@ def figure(runs: list[Run]) -> Any:
 
 def report(run_dirs: list[str], out: str) -> Any:
     """Print each run's summary, write the figure to `out`; the figure."""
+    target = Path(out).expanduser()
+    if target.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name, e.g. {Path(out) / 'report.png'}")
+    folder = next(parent for parent in target.parents if parent.exists())
+    if not folder.is_dir():
+        raise UserError(f"--out {out}: {folder} is a file, not a folder; choose another path")
     runs = [load_run(Path(d)) for d in run_dirs]
     for run in runs:
         print(summary(run))
     fig = figure(runs)
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=110)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=110)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UserError(f"--out {out} cannot be written ({reason}); choose another path") from None
+    except ValueError as exc:  # matplotlib knows no such format
+        raise UserError(f"--out {out}: {exc}; give a .png file name") from None
     print(f"wrote {target}")
     return fig

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from multicard.checkpoint import RunFacts
+from multicard.checkpoint.compat import run_length
 from multicard.checkpoint.weights import load_weights
 from multicard.compilation import set_cudnn_benchmark
-from multicard.config import Config, ModelConfig, TrainConfig, stall_seconds, to_dict
+from multicard.config import Config, ModelConfig, stall_seconds, to_dict
 from multicard.data import Data, build_data
 from multicard.data.sampling import BatchPlan
 from multicard.errors import MulticardError, Stopped
@@ -32,12 +33,6 @@ from multicard.strategy import ModelSetup, Strategy, make_strategy
 from multicard.topology import Topology, resolve
 from multicard.trainer import Schedule, Trainer
 from multicard.watchdog import Watchdog
-
-
-def run_length(train: TrainConfig, steps_per_epoch: int) -> int:
-    """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
-    steps = train.epochs * steps_per_epoch
-    return min(steps, train.max_steps) if train.max_steps else steps
 
 
 def seeded_model(model: ModelConfig, seed: int, num_classes: int, image_size: int) -> torch.nn.Module:

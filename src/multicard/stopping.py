@@ -8,6 +8,9 @@ an optimizer step they agree on; SIGQUIT quits at once.
   stderr and the process exits 131 without a checkpoint (the last one written stays).
 - A second SIGINT while stopping also quits at once.
 
+multicard's launcher passes each of these signals on to its workers and gives their stop up to
+checkpoint.stop_timeout_s to end (launch.StopRelay); torch's agent alone would give it 30 s.
+
 The handler only records the signal. Every POLL_EVERY optimizer steps the ranks start a small
 max-reduction of it on the CPU and collect it one step later, so the check never stalls
 training, costs one tiny collective per POLL_EVERY steps, and every rank stops after the same
@@ -33,14 +36,62 @@ POLL_EVERY = 8  # optimizer steps between agreements on a pending stop
 def quit_now(signum: int, stacks: bool) -> None:
     """Exit 128 + signum at once (no checkpoint; a half-written one is never renamed into
     place), after dumping every thread's stack to stderr if asked."""
-    name = signal.Signals(signum).name
     if stacks:
-        print(f"multicard: quit by {name} without a checkpoint; stacks follow", file=sys.stderr)
+        print(f"multicard: quit by {signal.Signals(signum).name} without a checkpoint; stacks follow", file=sys.stderr)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     else:
-        print(f"multicard: quit by {name} without a checkpoint; the last checkpoint written stays", file=sys.stderr)
+        print(quit_line(signum), file=sys.stderr)
     sys.stderr.flush()
     os._exit(ExitCode.for_signal(signum))
+
+
+def quit_line(signum: int) -> str:
+    """What a process that quits at once, without a checkpoint, says (a worker, or the launcher)."""
+    return f"multicard: quit by {signal.Signals(signum).name} without a checkpoint; the last checkpoint written stays"
+
+
+class StoppedBeforeTraining(Stopped):
+    """A stop signal before training started (or after it ended): nothing was left to save."""
+
+    def __init__(self, signum: int, after: bool) -> None:
+        super().__init__(signum, step=0)
+        self.after = after
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.after:
+            return f"stopped by {name} after training ended; its checkpoints are written"
+        return f"stopped by {name} before training started; nothing to save"
+
+
+class BeforeTraining:
+    """Stop signals that arrive before training takes them over (a GracefulStop, or the launcher's
+    relay) end the command in one line, not silently by the signal's default action."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)  # SIGINT: KeyboardInterrupt says it
+
+    def __init__(self) -> None:
+        self.handed_over = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> BeforeTraining:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        raise StoppedBeforeTraining(signum, after=self.handed_over)
+
+
+def hand_over(previous: Any) -> None:
+    """Tell a BeforeTraining whose handler `previous` is that training has taken the signals over."""
+    guard = getattr(previous, "__self__", None)
+    if isinstance(guard, BeforeTraining):
+        guard.handed_over = True
 
 
 class GracefulStop:
@@ -60,6 +111,7 @@ class GracefulStop:
     def __enter__(self) -> GracefulStop:
         for sig in (*STOP_SIGNALS, signal.SIGQUIT):
             self._previous[sig] = signal.signal(sig, self._handle)
+            hand_over(self._previous[sig])
         return self
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:

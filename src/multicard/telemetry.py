@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -288,7 +289,10 @@ class TensorBoardLog(Callback):
         if not is_main:
             return
         summary_writer = tensorboard_writer()
-        self.writer = summary_writer(str(folder), purge_step=resumed_at + 1 if resumed_at is not None else None)
+        try:
+            self.writer = summary_writer(str(folder), purge_step=resumed_at + 1 if resumed_at is not None else None)
+        except OSError as exc:  # checked before training (check_tensorboard_folder); changed since
+            raise _tensorboard_unwritable(folder, exc) from None
 
     def _scalars(self, step: int, values: dict[str, float | None]) -> None:
         if self.writer is not None:
@@ -334,3 +338,30 @@ def tensorboard_writer() -> Any:
             "(or set log.tensorboard=false)"
         ) from None
     return SummaryWriter
+
+
+def _tensorboard_unwritable(folder: Path, exc: OSError) -> UserError:
+    reason = exc.strerror or type(exc).__name__
+    return UserError(
+        f"log.tensorboard=true cannot write {folder} ({reason}); make it a writable folder, "
+        f"choose another out_dir, or set log.tensorboard=false"
+    )
+
+
+def check_tensorboard_folder(folder: Path) -> None:
+    """out_dir/tensorboard can take TensorBoard's event files: checked before anything starts, by
+    the launcher as by each rank, because only rank 0 writes there and would fail alone, mid-run.
+    A file is written and removed to see, as permission bits do not tell (root, read-only mounts)."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(
+            f"{folder} is a file, not a folder for TensorBoard's event files; move it away, choose another "
+            f"out_dir, or set log.tensorboard=false"
+        )
+    where = folder if folder.is_dir() else folder.parent
+    if not where.is_dir():
+        return  # out_dir does not exist yet: it is made (and checked) by prepare_out_dir
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        raise _tensorboard_unwritable(folder, exc) from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from multicard.config import Config, DDPConfig, parse_devices
+from multicard.config import Config, DDPConfig, FSDPConfig, parse_devices
 from multicard.data.decode_choice import check_decode
 from multicard.data.sampling import BatchPlan
 from multicard.errors import UserError
@@ -64,6 +64,16 @@ def check_fsdp(cfg: Config, world_size: int, local_world_size: int) -> None:
         )
 
 
+def check_ddp(cfg: Config) -> None:
+    """check_fsdp's mirror: fsdp.* options changed from their defaults mean nothing under ddp."""
+    defaults = FSDPConfig()
+    changed = [f.name for f in dataclasses.fields(FSDPConfig) if getattr(cfg.fsdp, f.name) != getattr(defaults, f.name)]
+    if changed:
+        raise UserError(
+            f"fsdp.{changed[0]} is an FSDP option and has no effect under strategy=ddp; remove it, or use strategy=fsdp"
+        )
+
+
 def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool, training: bool = True) -> Topology:
     """The strategy and GPUs for `world_size` processes, or a one-line UserError saying what to change."""
     strategy = resolve_strategy(cfg.strategy, launched, world_size)
@@ -71,6 +81,8 @@ def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool,
     check_decode(cfg.data.decode, cuda=bool(gpus))
     if strategy == "fsdp":
         check_fsdp(cfg, world_size, local_world_size)
+    if strategy == "ddp" and training:  # eval runs a checkpoint's config, fsdp's included, under ddp
+        check_ddp(cfg)
     sharded = cfg.checkpoint.format == "sharded" or (cfg.checkpoint.format == "auto" and strategy == "fsdp")
     if cfg.checkpoint.async_save and not sharded:
         raise UserError(

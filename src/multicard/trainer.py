@@ -287,6 +287,7 @@ class Trainer:
         gathered whole on rank 0.
         """
         self._reduce_window()  # the position's running totals must include every step done
+        self.strategy.agree_buffers(self.bare)
         model_state, optim_state = self.strategy.state_dicts(self.bare, self.optimizer, whole)
         return {
             "model": model_state,
@@ -482,6 +483,7 @@ class Trainer:
         self.set_phase(EVALUATION)
         val = None
         if validate and self.val_loader is not None:
+            self.strategy.agree_buffers(self.bare)  # the statistics the epoch's checkpoint holds
             val = evaluate(self.bare, self.val_loader, self.strategy, self.clock.tick)
         self.set_phase(IDLE)
         per_rank = self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices))

@@ -9,8 +9,13 @@ itself has no hook for this: the fault is patched in here.
 - skip: the rank skips the metrics all-reduce the others enter, and then blocks elsewhere;
 - slow-data: the rank's data loader takes MULTICARD_FAULT_MS longer per batch (a straggler);
 - slow-steps: every optimizer step of the rank takes MULTICARD_FAULT_MS longer, whatever the loader
-  (a short job that lasts long enough for a test to act while it runs, at little CPU).
-When a blocking fault fires, the file MULTICARD_FAULT_MARK is written (the test's clock starts).
+  (a short job that lasts long enough for a test to act while it runs, at little CPU);
+- slow-stop: as slow-steps, and the checkpoint of a stop on a signal waits MULTICARD_FAULT_STOP_S
+  first, asleep (a stop that needs longer than a launcher might give it);
+- slow-start: the process sleeps MULTICARD_FAULT_MS before anything else, with signals at their
+  defaults (a run signalled before training starts).
+When a blocking fault fires, a slow stop begins or a slow start sleeps, the file MULTICARD_FAULT_MARK
+is written (the test's clock starts).
 """
 
 import os
@@ -24,8 +29,12 @@ ON_THIS_RANK = os.environ.get("RANK", "0") == os.environ.get("MULTICARD_FAULT_RA
 
 
 def _block() -> None:
-    Path(os.environ["MULTICARD_FAULT_MARK"]).write_text(str(time.time()))
+    _mark()
     threading.Event().wait()
+
+
+def _mark() -> None:
+    Path(os.environ["MULTICARD_FAULT_MARK"]).write_text(str(time.time()))
 
 
 def _install() -> None:
@@ -45,7 +54,7 @@ def _install() -> None:
                 yield batch
 
         DeviceTrainLoader.__iter__ = batches
-    elif FAULT == "slow-steps":
+    elif FAULT in ("slow-steps", "slow-stop"):
         original_step = Trainer._step
         pause = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000
 
@@ -54,6 +63,17 @@ def _install() -> None:
             return original_step(self, batches, callbacks)
 
         Trainer._step = step
+        if FAULT == "slow-stop":
+            from multicard.checkpoint import Checkpointer
+
+            original_on_stop = Checkpointer.on_stop
+
+            def on_stop(self, trainer, stop):
+                _mark()
+                time.sleep(float(os.environ["MULTICARD_FAULT_STOP_S"]))
+                return original_on_stop(self, trainer, stop)
+
+            Checkpointer.on_stop = on_stop
     elif FAULT == "skip":
         original_reduce = Trainer._reduce_window
 
@@ -65,5 +85,8 @@ def _install() -> None:
         Trainer._reduce_window = reduce_window
 
 
-if FAULT and ON_THIS_RANK:
+if FAULT == "slow-start" and ON_THIS_RANK:
+    _mark()
+    time.sleep(float(os.environ["MULTICARD_FAULT_MS"]) / 1000)
+elif FAULT and ON_THIS_RANK:
     _install()

@@ -18,8 +18,15 @@ import torch.distributed as dist
 
 from multicard import __version__
 from multicard.atomic import remove_temporaries
-from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_format, check_resumable, check_settings
-from multicard.checkpoint.sharded import Sharded, incomplete_dirs, part_of_sharded
+from multicard.checkpoint.compat import (
+    FORMAT_VERSION,
+    RunFacts,
+    check_format,
+    check_resumable,
+    check_settings,
+    schedule_stretch,
+)
+from multicard.checkpoint.sharded import COMPLETE, Sharded, incomplete_dirs, part_of_sharded, unmarked_dirs
 from multicard.checkpoint.single_file import SingleFile
 from multicard.config import CheckpointConfig
 from multicard.errors import Stopped, UserError
@@ -42,6 +49,10 @@ def format_of(path: Path) -> Any:
             return fmt
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
+    if path.is_dir() and checkpoints_in(path):
+        raise UserError(
+            f"{path} is a folder of checkpoints; give one of them, e.g. {path / 'last'} or {checkpoints_in(path)[0]}"
+        )
     if path.is_dir():
         raise UserError(
             f"{path} is a directory that holds no checkpoint; give a step directory "
@@ -50,25 +61,50 @@ def format_of(path: Path) -> Any:
     raise UserError(f"checkpoint {path} is neither a step file (.pt) nor a step directory")
 
 
+def _steps_in(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step checkpoint in `folder` (any format), newest first."""
+    found = [item for fmt in FORMATS.values() for item in fmt.steps(folder)] if folder.is_dir() else []
+    return sorted(found, key=lambda item: item[0], reverse=True)
+
+
 def checkpoints_in(folder: Path) -> list[Path]:
     """Every step checkpoint in `folder` (any format), newest first."""
-    found = [(step, path) for fmt in FORMATS.values() for step, path in fmt.steps(folder)] if folder.is_dir() else []
-    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+    return [path for _, path in _steps_in(folder)]
 
 
 def newest_readable(folder: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-    """The newest checkpoint whose metadata reads (its path and metadata), and why each newer
-    one was passed over."""
+    """The newest checkpoint whose metadata reads (its path and metadata), and a warning for
+    each newer one passed over: damaged, or a step directory without its COMPLETE marker."""
+    unmarked = [(step, path, False) for step, path in unmarked_dirs(folder)] if folder.is_dir() else []
+    candidates = [(step, path, True) for step, path in _steps_in(folder)] + unmarked
     skipped = []
-    for path in checkpoints_in(folder):
+    for _, path, complete in sorted(candidates, key=lambda item: item[0], reverse=True):
+        if not complete:
+            skipped.append(
+                f"skipping {path}: it has no {COMPLETE} marker (a run ended while writing it, or it was copied in part)"
+            )
+            continue
         try:
             meta = format_of(path).read_meta(path)
             check_format(meta, path)
         except UserError as exc:
-            skipped.append(str(exc))
+            skipped.append(f"skipping damaged {str(exc).removeprefix('checkpoint ')}")
             continue
         return path, meta, skipped
     return None, None, skipped
+
+
+def resume_path(mode: str) -> Path:
+    """The checkpoint train.resume=PATH names: a checkpoint, or the newest that reads in a folder of them."""
+    path = Path(mode)
+    if not path.exists():
+        raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
+    if path.is_dir() and not any(fmt.owns(path) for fmt in FORMATS.values()) and checkpoints_in(path):
+        newest, _, _ = newest_readable(path)
+        if newest is None:
+            raise UserError(f"train.resume={mode}: no checkpoint in that folder reads; give one of them, or never")
+        return newest
+    return path
 
 
 def check_resume_settings(folder: Path, mode: str, config: dict[str, Any]) -> None:
@@ -79,9 +115,7 @@ def check_resume_settings(folder: Path, mode: str, config: dict[str, Any]) -> No
     if mode == "auto":
         path, meta, _ = newest_readable(folder)
     else:
-        path = Path(mode)
-        if not path.exists():
-            raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
+        path = resume_path(mode)
         meta = format_of(path).read_meta(path)
     if path is not None and meta is not None:
         check_settings(meta, path, config)
@@ -127,7 +161,7 @@ class Checkpointer(Callback):
         """
         chosen: str | None = None
         if self.ctx.is_main:
-            self._make_folder()
+            self._check_folder()
         if self.ctx.is_main and self.folder.is_dir():
             remove_temporaries(self.folder)
             for unfinished in incomplete_dirs(self.folder):
@@ -138,27 +172,22 @@ class Checkpointer(Callback):
             elif mode == "auto":
                 chosen = self._newest_valid()
         if mode not in ("auto", "never"):
-            if not Path(mode).exists():
-                raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
-            chosen = mode  # every rank reads it, and a bad one fails on every rank
+            chosen = str(resume_path(mode))  # every rank reads it, and a bad one fails on every rank
         chosen = self.strategy.broadcast_object(chosen)
         return Path(chosen) if chosen is not None else None
 
-    def _make_folder(self) -> None:
-        """Create the folder now, so a file in its way is said before any training, not after an epoch."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
+    def _check_folder(self) -> None:
+        """A file in the folder's way is said before any training, not after an epoch. The folder
+        itself is made by the first save: a run refused before it leaves none."""
+        if self.folder.exists() and not self.folder.is_dir():
             raise UserError(
                 f"{self.folder} is a file, not a folder for checkpoints; move it away or choose another out_dir"
-            ) from None
-        except OSError as exc:
-            raise UserError(f"cannot create {self.folder} ({exc.strerror}); choose a writable out_dir") from None
+            )
 
     def _newest_valid(self) -> str | None:
         path, meta, skipped = newest_readable(self.folder)
         for line in skipped:
-            self.say(f"warning: skipping damaged {line.removeprefix('checkpoint ')}")
+            self.say(f"warning: {line}")
         return str(path) if path is not None else None
 
     def _remove_all(self) -> None:
@@ -179,7 +208,11 @@ class Checkpointer(Callback):
     def restore(self, path: Path, trainer: Trainer) -> dict[str, Any]:
         """Check that this run can continue `path`, then load it into the trainer; its contents."""
         fmt = format_of(path)
-        check_resumable(fmt.read_meta(path), path, self.run, trainer.bare)
+        meta = fmt.read_meta(path)
+        check_resumable(meta, path, self.run, trainer.bare)
+        stretched = schedule_stretch(meta, self.run.config)
+        if stretched is not None:
+            self.say(stretched)
         state = fmt.read(path, trainer.state_dict() if fmt.needs_template else None)
         parts = {k: state[k] for k in ("model", "optimizer", "scheduler", "scaler")}
         trainer.load_state_dict({**parts, **state["resume"]})

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from multicard.config import Config, TrainConfig, to_dict
 from multicard.errors import UserError
 
 FORMAT_VERSION = 2  # bump when the checkpoint layout changes
@@ -36,6 +37,36 @@ class RunFacts:
     world_size: int
 
 
+def run_length(train: TrainConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
+    steps = train.epochs * steps_per_epoch
+    return min(steps, train.max_steps) if train.max_steps else steps
+
+
+def _train_of(config: dict[str, Any]) -> TrainConfig:
+    return TrainConfig(**{k: v for k, v in config["train"].items() if k in TrainConfig.__dataclass_fields__})
+
+
+def _length_setting(train: TrainConfig, steps_per_epoch: int) -> str:
+    """The setting that ends the run: train.max_steps if it cuts the epochs short, else train.epochs."""
+    if train.max_steps and train.max_steps < train.epochs * steps_per_epoch:
+        return f"train.max_steps={train.max_steps}"
+    return f"train.epochs={train.epochs}"
+
+
+def schedule_stretch(meta: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The warning for a resume whose run length changed under a schedule that depends on it
+    (cosine: the rest of the decay is spread over the new length), or None."""
+    spe = meta["resume"]["steps_per_epoch"]
+    old, new = run_length(_train_of(meta["config"]), spe), run_length(_train_of(config), spe)
+    if old == new or config["sched"]["name"] != "cosine":
+        return None
+    return (
+        f"warning: the run length changed from {old} to {new} steps ({_length_setting(_train_of(config), spe)}): "
+        f"the cosine LR schedule is re-stretched over the new length from step {meta['step']}"
+    )
+
+
 def check_format(meta: dict[str, Any], path: Path) -> None:
     if meta.get("format") != FORMAT_VERSION or "resume" not in meta:
         raise UserError(
@@ -56,8 +87,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def changed_settings(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """'key: old → new' for every setting that differs and changes what is trained."""
+    """'key: old → new' for every setting that differs and changes what is trained. A key only one
+    side knows (a setting added or removed since the checkpoint was written) differs only when its
+    value there is not the default: a checkpoint of an older version resumes in a newer one."""
     old, new = flatten(saved), flatten(wanted)
+    defaults = flatten(to_dict(Config()))
+    for tree in (old, new):
+        for k in (old.keys() ^ new.keys()) & defaults.keys():
+            tree.setdefault(k, defaults[k])
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return [f"{k}: {old.get(k)} → {new.get(k)}" for k in keys if not k.startswith(FREE_TO_CHANGE)]
 
@@ -73,6 +110,8 @@ def check_settings(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> 
             f"checkpoint {path} was trained with train.global_batch_size={saved}; resume with that value "
             f"(any world size works) or set train.resume=never"
         )
+    check_weights(meta, path, config)
+    check_not_past_the_end(meta, path, config)
     changed = changed_settings(meta["config"], config)
     if changed:
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
@@ -84,11 +123,36 @@ def check_settings(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> 
         )
 
 
+def check_weights(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
+    """model.weights starts a run; continuing a checkpoint that did not start from the same
+    weights would ignore them without a word."""
+    old, new = meta["config"]["model"].get("weights"), config["model"].get("weights")
+    if new and new != old:
+        keep = "drop model.weights" if not old else f"set model.weights={old}"
+        raise UserError(
+            f"model.weights={new} would be ignored: this run continues checkpoint {path}, which did not start "
+            f"from those weights; to fine-tune from them, use another out_dir or set train.resume=never; "
+            f"to continue the checkpoint, {keep}"
+        )
+
+
+def check_not_past_the_end(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
+    """A checkpoint past the end of this run's length has nothing to continue."""
+    train, spe = _train_of(config), meta["resume"]["steps_per_epoch"]
+    if meta["step"] > run_length(train, spe):
+        raise UserError(
+            f"checkpoint {path} is at step {meta['step']}, already past {_length_setting(train, spe)} "
+            f"({run_length(train, spe)} steps); to continue it, raise train.max_steps (or train.epochs); "
+            f"to start afresh, set train.resume=never or another out_dir"
+        )
+
+
 def check_resumable(meta: dict[str, Any], path: Path, run: RunFacts, model: nn.Module) -> None:
-    """The checkpoint's run continues exactly in this one: same model, recipe, global batch and data."""
+    """The checkpoint's run continues exactly in this one: same model, recipe, global batch and data.
+    The settings first: another model.name is named as such, not as tensors that do not fit."""
     check_format(meta, path)
-    check_model_fits(meta["model"], model, path)
     check_settings(meta, path, run.config)
+    check_model_fits(meta["model"], model, path)
     check_classes(meta, run.classes, path, "resume on the same data or set train.resume=never")
     if meta["resume"]["steps_per_epoch"] != run.steps_per_epoch:
         raise UserError(

@@ -41,6 +41,15 @@ def incomplete_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob(f".{PREFIX}*{INCOMPLETE}") if p.is_dir())
 
 
+def unmarked_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of step directories without the COMPLETE marker (cut short, or copied in part)."""
+    return [
+        (int(_digits(p)), p)
+        for p in folder.glob(f"{PREFIX}*")
+        if _digits(p).isdigit() and p.is_dir() and not p.is_symlink() and not (p / COMPLETE).exists()
+    ]
+
+
 def part_of_sharded(path: Path) -> Path | None:
     """The sharded checkpoint directory a file belongs to, or None."""
     return path.parent if path.is_file() and (path.parent / ".metadata").exists() else None
@@ -84,22 +93,29 @@ class Sharded:
                 tmp.mkdir(parents=True)
             except OSError as exc:
                 raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable out_dir") from None
-            save_atomic({k: v for k, v in state.items() if k not in TENSORS}, tmp / TRAIN_STATE)
+            try:
+                save_atomic({k: v for k, v in state.items() if k not in TENSORS}, tmp / TRAIN_STATE)
+            except UserError:
+                shutil.rmtree(tmp, ignore_errors=True)  # the other ranks, waiting below, lose rank 0 and end
+                raise
         ctx.barrier()
         tensors = {k: state[k] for k in TENSORS}
         # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
         dcp = _dcp()
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        with _unwritable(path):
+        with _unwritable(path, tmp, ctx):
             if background is None:
-                dcp.save(tensors, checkpoint_id=tmp, planner=planner)
+                with warnings.catch_warnings():
+                    # One process without a process group saves alone (DCP warns that it assumes so).
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                    dcp.save(tensors, checkpoint_id=tmp, planner=planner)
                 pending = None
             else:
                 pending = dcp.async_save(tensors, checkpoint_id=tmp, planner=planner, process_group=background)
 
         def complete() -> None:
             if pending is not None:
-                with _unwritable(path):
+                with _unwritable(path, tmp, ctx):
                     pending.result()
                 ctx.barrier()  # every rank's shard is written
             if ctx.is_main:
@@ -113,6 +129,9 @@ class Sharded:
     def read_meta(self, path: Path) -> dict[str, Any]:
         """Everything but the tensors' values: train state, config, and the model's tensor shapes."""
         path = self._complete(path)
+        damage = _damage(path)
+        if damage is not None:
+            raise UserError(f"checkpoint {path} cannot be read ({damage}); it is damaged, use an earlier checkpoint")
         try:
             meta = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
@@ -170,7 +189,7 @@ class Sharded:
     def _whole_tensors(path: Path, key: str, device: str) -> dict[str, torch.Tensor]:
         """Empty whole tensors of `key`'s entries, shaped as saved (DCP's metadata holds the shapes)."""
         dcp = _dcp()
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = _metadata(path).state_dict_metadata
         prefix = f"{key}."
         return {
             name[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype, device=device)
@@ -187,16 +206,83 @@ def _dcp() -> Any:
     return dcp
 
 
+def _metadata(path: Path) -> Any:
+    """DCP's index of a step directory: every tensor's shape, and where its bytes are."""
+    try:
+        return _dcp().FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        raise UserError(
+            f"checkpoint {path} cannot be read ({path / '.metadata'}: {type(exc).__name__}); it is damaged, "
+            f"use an earlier checkpoint"
+        ) from None
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with a step directory's shard files — one missing, or shorter than its
+    index says (truncated) — or None. Sizes only: cheap enough to check every candidate for resume."""
+    needed: dict[str, int] = {}
+    for info in (_metadata(path).storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"{shard} is missing"
+        if shard.stat().st_size < size:
+            return f"{shard} has {shard.stat().st_size} of its {size} bytes"
+    return None
+
+
 @contextmanager
-def _unwritable(path: Path) -> Iterator[None]:
-    """A failed write (disk full, quota) in one line; CheckpointException is a BaseException."""
+def _unwritable(path: Path, tmp: Path, ctx: ProcessContext) -> Iterator[None]:
+    """A failed write of the shards (disk full, quota) in one line, said by rank 0 alone: DCP
+    reports one rank's failure to every rank. What the write made goes (CheckpointException is a
+    BaseException)."""
     try:
         yield
     except (_dcp().CheckpointException, OSError) as exc:
-        raise UserError(
-            f"cannot write {path} ({_first_line(exc)}); free space in {path.parent} or choose another out_dir "
+        every_rank = isinstance(exc, _dcp().CheckpointException)  # DCP tells every rank of any rank's failure
+        reason = _os_reason(exc) or (_probe(tmp) if ctx.is_main else None) or _first_line(exc)
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if every_rank:
+            ctx.barrier()  # removed before any rank ends (a launcher stops the others when one ends)
+        error = UserError(
+            f"cannot write {path} ({reason}); free space in {path.parent} or choose another out_dir "
             f"(earlier checkpoints are intact)"
-        ) from None
+        )
+        error.agreed = every_rank  # type: ignore[attr-defined]  # then rank 0 alone says it (cli.main)
+        raise error from None
+
+
+def _os_reason(exc: BaseException) -> str | None:
+    """The OS's reason (e.g. 'No space left on device') inside DCP's per-rank failures, if any."""
+    if isinstance(exc, OSError):
+        return os.strerror(exc.errno) if exc.errno else exc.strerror
+    inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]  # (exc, trace)
+    for cause in [*inner, exc.__cause__, exc.__context__]:
+        if isinstance(cause, BaseException) and cause is not exc:
+            reason = _os_reason(cause)
+            if reason:
+                return reason
+    return None
+
+
+def _probe(folder: Path) -> str | None:
+    """Why `folder` takes no more bytes (disk full, quota), found by writing 1 MiB there; None if it
+    does. DCP's shard writer loses the OS error (torch's zip writer says only 'unexpected pos')."""
+    if not folder.is_dir():
+        return None
+    probe = folder / ".space-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(2**20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return exc.strerror
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ Files are read with torch's weights-only unpickler: a crafted file cannot run co
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,14 @@ PREFIX = "step-"
 SUFFIX = ".pt"
 
 
+def load_weights_only(path: Path) -> Any:
+    """torch.load with the weights-only unpickler, without torch's warning about the pickle protocol
+    of a file it then refuses: the refusal is said in one line by whoever called."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Detected pickle protocol \d+ in the checkpoint", UserWarning)
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_file(path: Path) -> dict[str, Any]:
     """A checkpoint file's contents on the CPU, or a one-line error saying what is wrong."""
     if path.is_dir():
@@ -29,7 +38,7 @@ def load_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_weights_only(path)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling error"
         raise UserError(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from multicard.checkpoint.single_file import load_weights_only
 from multicard.errors import UserError
 
 
@@ -28,7 +29,7 @@ def _state_dict_in(path: Path) -> dict[str, Any]:
             if path.is_dir():
                 raise
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        loaded = load_weights_only(path)
     except FileNotFoundError:
         raise UserError(f"model.weights={path} does not exist") from None
     except pickle.UnpicklingError:

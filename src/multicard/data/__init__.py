@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from multicard.data.sampling import BatchPlan, ShardedBatchSampler
 from multicard.data.sources import (
     Files,
     InMemory,
+    Items,
     Source,
     Splits,
     check_same_classes,
@@ -29,6 +32,7 @@ from multicard.data.sources import (
 )
 from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
+from multicard.data.user import decode_items, function_splits
 from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
 from multicard.errors import UserError
 from multicard.host_memory import available_memory
@@ -72,6 +76,12 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         splits = Splits(train, val, list(CLASSES[: d.num_classes]))
     elif d.name == "cifar10":
         splits = cifar10(Path(d.root), d.download)
+    elif ":" in d.name:
+        splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
+    elif d.name == "hf":
+        from multicard.data.hf import hf_splits  # imports the optional datasets package
+
+        splits = hf_splits(d)
     else:
         splits = image_folder(Path(d.root), d.val_fraction, d.split_seed)
     if d.val_root:
@@ -115,9 +125,29 @@ def choose_loader(d: DataConfig, splits: Splits, device: torch.device, local_wor
 def _in_memory(source: Source, size: int, cache_dir: Path | None, write: bool, role: str) -> InMemory:
     if isinstance(source, Files):
         return decoded(source, size, cache_dir, write, role)
+    if isinstance(source, Items):  # no cheap key to cache by: decoded afresh each run
+        return decode_items(source, size)
     if source.images.shape[-2:] != (size, size):
         return InMemory(fit_square(source.images, size), source.labels)
     return source
+
+
+def loader_processes(requested: int, ctx: ProcessContext) -> int:
+    """Loader processes per rank: data.num_workers, or for -1 the rank's share of the cores (at
+    most 8). More than the rank's share only compete for those cores (and each holds memory of its
+    own): capped, said once."""
+    share = max(1, cpu_cores() // ctx.local_world_size)
+    if requested < 0:
+        return min(8, share)
+    if requested > share:
+        if ctx.is_main:  # every rank caps alike
+            print(
+                f"multicard: data.num_workers={requested} is more than the {share} core(s) each of the "
+                f"{ctx.local_world_size} process(es) on this machine may use; starting {share} per process",
+                file=sys.stderr,
+            )
+        return share
+    return requested
 
 
 def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessContext) -> Data:
@@ -139,7 +169,9 @@ def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessCon
     if kind == "device":
         cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
         parts = {"val": splits.val} if plan is None else {"train": splits.train, "val": splits.val}
-        with ctx.local_main_first():
+        # Local rank 0 fills the cache of decoded files first; items have no cache: every rank decodes at once.
+        cached = any(isinstance(src, Files) for src in parts.values())
+        with ctx.local_main_first() if cached else contextlib.nullcontext():
             arrays = {
                 role: _in_memory(src, d.image_size, cache_dir, ctx.is_local_main, role) for role, src in parts.items()
             }
@@ -151,7 +183,7 @@ def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessCon
             train = DeviceTrainLoader(TensorImages(arrays["train"], ctx.device), sampler, train_finish)
         return Data(train, val, num_classes, classes, kind)
 
-    workers = d.num_workers if d.num_workers >= 0 else max(1, min(8, cpu_cores() // ctx.local_world_size))
+    workers = loader_processes(d.num_workers, ctx)
     eval_resize = d.eval_resize or round(d.image_size * 8 / 7)
     eval_tf = FitSquare(d.image_size) if small else FitSquare(d.image_size, eval_resize)
     if small or not d.augment:

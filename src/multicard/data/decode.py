@@ -19,7 +19,7 @@ from multicard.data.encoded import EncodedImage
 from multicard.data.sources import Files, InMemory
 from multicard.errors import UserError
 
-CACHE_FORMAT = 1  # bump when the stored layout or the decoding changes
+CACHE_FORMAT = 2  # bump when the stored layout or the decoding changes (2: 16-bit greyscale scaled)
 
 
 def default_cache_dir() -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from multicard.data.sources import Files, Splits
+from multicard.data.sources import Files, Items, Splits
 from multicard.data.transforms import is_small
 from multicard.errors import UserError
 
@@ -25,7 +25,8 @@ def choose_decode(decode: str, loader: str, splits: Splits, image_size: int, dev
     it there when the device is CUDA, and the CPU everywhere else.
     """
     check_decode(decode, device.type == "cuda")
-    files = any(isinstance(source, Files) for source in (splits.train, splits.val))
+    # Items (a dataset function, a Hugging Face dataset) may hold encoded JPEGs too
+    files = any(isinstance(source, (Files, Items)) for source in (splits.train, splits.val))
     applies = loader == "workers" and not is_small(image_size) and files
     if decode == "auto":
         return "gpu" if applies and device.type == "cuda" else "cpu"

@@ -9,6 +9,9 @@ more resolution.
 from __future__ import annotations
 
 import io
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,32 @@ from multicard.data.crops import Box
 from multicard.errors import UserError
 
 PIL_ERRORS = (OSError, ValueError, Image.DecompressionBombError)
+# Greyscale of more than 8 bits: 16-bit PNGs and TIFFs open as I;16 (older Pillow: I, 32-bit integers).
+HIGH_BIT_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image in RGB, whatever its mode: the one conversion every loader's decoding goes through.
+
+    Pillow's own conversion of 16-bit greyscale clips it to 8 bits, so all but the darkest values
+    come out white; these are scaled instead, 0..65535 → 0..255 (mode I is read as 16-bit, values
+    beyond that range clipped)."""
+    if image.mode in HIGH_BIT_DEPTH:
+        wide = np.clip(np.asarray(image, dtype=np.float64), 0, 65535)
+        image = Image.fromarray(np.rint(wide / 257).astype(np.uint8))
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+@contextmanager
+def opened(data: bytes) -> Iterator[Image.Image]:
+    """Pillow's image of encoded bytes, without its DecompressionBombWarning: above 89 M pixels
+    it warns, yet a large photo is data here, not an attack (JPEGs are decoded at reduced scale
+    when the crop allows). Beyond twice that, Pillow's DecompressionBombError still refuses it
+    (one of PIL_ERRORS: one line naming the file)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(io.BytesIO(data)) as image:
+            yield image
 
 
 def unreadable(path: Path, exc: BaseException) -> UserError:
@@ -42,10 +71,18 @@ class EncodedImage:
         """Read the file and its header, or raise a one-line error naming it."""
         try:
             data = path.read_bytes()
-            with Image.open(io.BytesIO(data)) as image:
+            with opened(data) as image:
                 return cls(path, data, image.size, image.format, image.mode)
         except PIL_ERRORS as exc:
             raise unreadable(path, exc) from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> EncodedImage:
+        """Encoded bytes that come from no file (a dataset function's item, a Hugging Face image
+        column); `name` says which sample in messages. Like `read`, only the header is parsed, and
+        an unreadable header raises one of PIL_ERRORS for the caller to name the sample."""
+        with opened(data) as image:
+            return cls(Path(name), data, image.size, image.format, image.mode)
 
     @property
     def reducible(self) -> bool:
@@ -59,11 +96,11 @@ class EncodedImage:
 
     def _pillow(self, reduce: int = 1, box: Box | None = None) -> tuple[np.ndarray, int]:
         try:
-            with Image.open(io.BytesIO(self.data)) as image:
+            with opened(self.data) as image:
                 width, height = self.size
                 # draft() answers with the full image's box in reduced pixels, or None if it did nothing.
                 drafted = image.draft(image.mode, (width // reduce, height // reduce)) if reduce > 1 else None
-                image = image if image.mode == "RGB" else image.convert("RGB")
+                image = to_rgb(image)
                 # Crop before leaving Pillow: only the box is copied out of its 4-byte pixels.
                 pixels = np.array(image if box is None else image.crop(box.corners))
         except PIL_ERRORS as exc:
@@ -94,8 +131,8 @@ class EncodedImage:
     def tensor(self) -> torch.Tensor:
         """Full-size uint8 (3, H, W): the pixels the device loader's cache and small images use."""
         try:
-            with Image.open(io.BytesIO(self.data)) as image:
-                pixels = np.asarray(image.convert("RGB"))
+            with opened(self.data) as image:
+                pixels = np.asarray(to_rgb(image))
         except PIL_ERRORS as exc:
             raise unreadable(self.path, exc) from None
         return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()

@@ -1,8 +1,9 @@
-"""Where images come from: in-memory arrays or lists of image files, with their labels.
+"""Where images come from: in-memory arrays, lists of image files, or a dataset's items.
 
-A source is either `InMemory` (uint8 N×3×H×W already decoded: synthetic, CIFAR-10 batches)
-or `Files` (paths to decode: image folders). Loaders accept both; this module only finds,
-reads and splits them, and turns bad layouts into one-line errors.
+A source is `InMemory` (uint8 N×3×H×W already decoded: synthetic, CIFAR-10 batches), `Files`
+(paths to decode: image folders) or `Items` (a map-style dataset of (image, label) items: a
+dataset function's, data/user.py, or a Hugging Face dataset's, data/hf.py). Loaders accept
+each; this module only finds, reads and splits them, and turns bad layouts into one-line errors.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pickle
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +50,23 @@ class Files:
         return Files(self.root, [self.paths[i] for i in indices.tolist()], self.labels[indices])
 
 
-Source = InMemory | Files
+@dataclass
+class Items:
+    """Items of a map-style dataset, read only when a loader asks for one (data/user.py read_item)."""
+
+    dataset: Any  # len(dataset), and dataset[i] → (image, label)
+    indices: torch.Tensor  # int64: the dataset's items this source holds, in order (all, or a split's share)
+    num_classes: int  # labels must lie in 0..num_classes-1
+    name: str  # what messages call it, e.g. "data.name=mydata:photos (train)"
+
+    def __len__(self) -> int:
+        return self.indices.numel()
+
+    def subset(self, indices: torch.Tensor) -> Items:
+        return Items(self.dataset, self.indices[indices], self.num_classes, self.name)
+
+
+Source = InMemory | Files | Items
 
 
 @dataclass

@@ -24,8 +24,9 @@ from multicard.data.decode import read_image
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.loaders import SampledTrainLoader
 from multicard.data.sampling import ShardedBatchSampler, eval_shard
-from multicard.data.sources import Files, Source
+from multicard.data.sources import Files, Items, Source
 from multicard.data.transforms import Picture
+from multicard.data.user import read_item
 from multicard.errors import UserError
 
 # (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image (or, under
@@ -46,8 +47,13 @@ class SourceImages(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         epoch, index = key
         src = self.source
-        image = read_image(src.root / src.paths[index]) if isinstance(src, Files) else src.images[index]
-        return self.transform(image, epoch, index), src.labels[index], index
+        if isinstance(src, Items):
+            image, label = read_item(src, index)
+        elif isinstance(src, Files):
+            image, label = read_image(src.root / src.paths[index]), src.labels[index]
+        else:
+            image, label = src.images[index], src.labels[index]
+        return self.transform(image, epoch, index), label, index
 
 
 class _Keys:

@@ -28,6 +28,7 @@ from multicard.plan.measure import MEMORY_STEPS, run_steps
 from multicard.plan.planner import Plan, make_plan
 from multicard.plan.report import as_dict, plot, print_plan, write_json
 from multicard.plan.target import Target, make_target
+from multicard.preflight import check_output_folder
 from multicard.process_group import cpu_cores, cuda_count, detect_env
 
 
@@ -35,6 +36,8 @@ def run_plan(args: argparse.Namespace) -> int:
     check_args(args)
     if detect_env().launched:
         raise UserError("multicard plan starts its own processes; run it without torchrun or srun")
+    if args.gpu is not None or args.memory_gb is not None:  # a plan is written, not only a calibration
+        check_output_folder(args.out, "--out")
     console = Console(stderr=args.json)
     path = calibration_path()
     if args.calibrate:

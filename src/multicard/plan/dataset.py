@@ -36,7 +36,8 @@ def data_facts(d: DataConfig, seed: int) -> DataFacts:
         return DataFacts(d.num_classes, d.train_size, d.val_size, True)
     if d.name == "cifar10":
         return DataFacts(10, *CIFAR10_SAMPLES, True)
-    if d.root and Path(d.root).is_dir():
+    local = d.root and (Path(d.root).is_dir() or (d.name == "hf" and Path(d.root).is_file()))  # hf: a parquet file
+    if ":" in d.name or local:  # a dataset function is read here: it knows its lengths and classes
         splits = read_splits(d, seed)
         return DataFacts(len(splits.classes), len(splits.train), len(splits.val), False)
     return DataFacts(d.num_classes, 0, 0, False, note=f"data.root={d.root} is not on this machine: "

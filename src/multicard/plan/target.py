@@ -18,6 +18,12 @@ from multicard.plan.timing import Net, Rates
 from multicard.process_group import cpu_cores
 
 GB = 10**9
+# Bounds of what a plan describes: the most GPUs one node holds (an HGX-2/DGX-2 has 16; this
+# machine's CPU takes as many processes, or one per core), nodes of the largest clusters, and the
+# memory of one device or process (a large host has a few TB).
+MAX_GPUS_PER_NODE = 16
+MAX_NODES = 100_000
+MAX_MEMORY_GB = 100_000
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,20 @@ def make_target(gpu: str | None, memory_gb: float | None, gpus: int, nodes: int,
                 calibration: Calibration | None) -> Target:  # fmt: skip
     if (gpu is None) == (memory_gb is None):
         raise UserError("give one of --gpu NAME (a GPU, or cpu for this machine) and --memory-gb X (this machine)")
-    if gpus < 1 or nodes < 1:
-        raise UserError(f"--gpus {gpus} and --nodes {nodes} must be at least 1")
+    here = gpu is None or gpu.lower() == "cpu"  # processes on this machine's CPU
+    most = max(MAX_GPUS_PER_NODE, cpu_cores()) if here else MAX_GPUS_PER_NODE
+    if not 1 <= gpus <= most:
+        raise UserError(
+            f"--gpus {gpus} must be in 1..{most} (devices, or CPU processes, of one node); more take --nodes"
+        )
+    if not 1 <= nodes <= MAX_NODES:
+        raise UserError(f"--nodes {nodes} must be in 1..{MAX_NODES}")
     if memory_gb is not None:
-        if not 0 < memory_gb < 1e6:
-            raise UserError(f"--memory-gb {memory_gb} must be a positive number of GB")
+        if not 0 < memory_gb <= MAX_MEMORY_GB:
+            raise UserError(
+                f"--memory-gb {memory_gb:g} must be more than 0 and at most {MAX_MEMORY_GB:,} GB "
+                f"(the memory of one process)"
+            )
         return Target(f"this machine, {memory_gb:g} GB per process", None, gpus, nodes, int(memory_gb * GB), None,
                       None, calibration)  # fmt: skip
     if gpu is not None and gpu.lower() == "cpu":

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils._runtime_estimation import _VIEW_OPS
+
+from multicard.torch_compat import VIEW_OPS as _VIEW_OPS
+from multicard.torch_compat import TorchDispatchMode, tree_flatten
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this many bytes
 aten = torch.ops.aten

@@ -9,6 +9,7 @@ then `warmup` untimed and `steps` timed steps. Rank 0 writes every rank's number
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,6 +28,11 @@ from multicard.session import open_session
 from multicard.trainer import Callback, StepEnd, Trainer
 
 MARKER = "multicard.plan.steps"
+# Kineto, the profiler's backend, logs to stderr at every start and stop (`USDT ... profiler_start`,
+# and on a machine without GPUs `gpuGetDeviceCount failed with code 35`): noise in plan's output.
+# Its levels run from 0 (verbose) to 5 (USDT); 6 silences them all. Read when the profiler first
+# starts; an exported KINETO_LOG_LEVEL wins.
+KINETO_SILENT = "6"
 
 
 class StepWatch(Callback):
@@ -70,6 +76,7 @@ def measure(
     memory of its own, which the resident-memory peak would then include)."""
     env = detect_env()
     cuda = bool(resolve_gpus(parse_devices(cfg.devices)))
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profile_memory and not cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()

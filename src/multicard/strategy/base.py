@@ -109,6 +109,10 @@ class Strategy:
         """Rank 0's `obj` on every rank."""
         return obj
 
+    def agree_buffers(self, bare: nn.Module) -> None:
+        """Make every rank's buffers (BatchNorm running statistics) rank 0's: the ones a checkpoint
+        holds. Every rank calls it before evaluating and before saving."""
+
     def start_max(self, value: int) -> Callable[[], int]:
         """Start agreeing on the max of an int over ranks (on the CPU); the result's waiter."""
         return lambda: value

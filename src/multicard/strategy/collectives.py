@@ -44,6 +44,14 @@ class DistributedStrategy(Strategy):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def agree_buffers(self, bare: nn.Module) -> None:
+        # Each rank's last training forward updated the running statistics from its own share of
+        # the batch; evaluation and checkpoints must all see rank 0's (synced BatchNorm: equal already).
+        # DDP and fsdp broadcast rank 0's before the next training forward anyway: nothing changes there.
+        buffers = [b for b in bare.buffers() if b.numel()]
+        if not self.sync_bn and buffers:
+            broadcast_buffers(buffers)
+
     def start_max(self, value: int) -> Callable[[], int]:
         flag = torch.tensor([value], dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)

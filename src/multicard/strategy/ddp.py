@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from multicard.config import DDPConfig
@@ -37,6 +37,7 @@ class DDPStrategy(DistributedStrategy):
         super().__init__(ctx, precision, setup, sync_bn)
         self.options = options
         self._optimizer_order: list[str] = []  # parameter names in the optimizer's index order (ZeRO-1)
+        self._recipe: OptimizerRecipe | None = None  # what ZeRO-1 shards (for a template of the whole state)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         knobs = self.options
@@ -64,6 +65,7 @@ class DDPStrategy(DistributedStrategy):
     def make_optimizer(self, recipe: OptimizerRecipe, bare: nn.Module) -> torch.optim.Optimizer:
         if not self.options.shard_optimizer:
             return recipe.build()
+        self._recipe = recipe
         names = {id(p): name for name, p in bare.named_parameters()}
         self._optimizer_order = [names[id(p)] for group in recipe.groups for p in group["params"]]
         return ZeroRedundancyOptimizer(recipe.groups, optimizer_class=recipe.cls, **recipe.kwargs)
@@ -71,9 +73,15 @@ class DDPStrategy(DistributedStrategy):
     def state_dicts(
         self, bare: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False
     ) -> tuple[StateDict, StateDict]:
-        """ZeRO-1: the whole optimizer state, gathered on rank 0 (empty elsewhere: rank 0 writes)."""
+        """ZeRO-1: the whole optimizer state, gathered on rank 0 (empty elsewhere: rank 0 writes).
+        Not `whole` (ZeRO-1 writes single files, so only as the template a sharded checkpoint of
+        another strategy is read into): on every rank, the layout of the whole state, from a plain
+        optimizer of the same recipe (its state made, as torch's get_state_dict makes it)."""
         if not isinstance(optimizer, ZeroRedundancyOptimizer):
             return super().state_dicts(bare, optimizer, whole)
+        if not whole:
+            assert self._recipe is not None
+            return get_state_dict(bare, self._recipe.build())
         optimizer.consolidate_state_dict(to=0)
         whole = named_optimizer_state(optimizer.state_dict(), self._optimizer_order) if self.ctx.is_main else {}
         return get_model_state_dict(bare), whole

@@ -1,0 +1,266 @@
+"""Issue 27, the surface: 16-bit images, TensorBoard's folder, report, the --out/--keep folders of
+plan, bench and verify, plan's bounds and quiet --measure, model.kwargs.num_classes, fsdp options
+under ddp, loader processes, and very large images. Each test is named after its case."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import TINY, clean_env, cli
+from multicard.cli import main
+from multicard.config import load_config, to_dict
+from multicard.data import loader_processes
+from multicard.data.decode import read_image
+from multicard.data.encoded import to_rgb
+from multicard.data.transforms import FitSquare, RandomResizedCropFlip
+from multicard.data.user import to_picture
+from multicard.errors import UserError
+from multicard.models import build_model
+from multicard.process_group import ProcessContext, cpu_cores
+from multicard.topology import resolve
+
+CPU = torch.device("cpu")
+
+
+def one_line(err: str) -> str:
+    """stderr holds exactly one line and no traceback; that line."""
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    return err.strip()
+
+
+@contextmanager
+def unwritable(folder: Path):
+    """`folder` refuses new files while inside, even to root (immutable: chattr +i), else by its mode."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here (root ignores permission bits)")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+
+
+# ------------------------------------------------------------------ case 3: 16-bit greyscale
+
+
+def test_27_3_sixteen_bit_greyscale_is_scaled_not_clipped(tmp_path):
+    noise = np.random.default_rng(0).integers(0, 65536, (48, 64)).astype(np.uint16)
+    expected = noise / 257  # the same picture in 8 bits
+    path = tmp_path / "grey16.png"
+    Image.fromarray(noise).save(path)
+    assert Image.open(path).mode == "I;16"
+    full = read_image(path).tensor()  # the device loader's decoding
+    assert full.shape == (3, 48, 64) and torch.equal(full[0], full[2])
+    assert np.abs(full[0].numpy() - expected).max() <= 0.5 + 1e-9  # rounded, not clipped to white
+    for transform in (FitSquare(32, 40), RandomResizedCropFlip(32, (0.5, 1.0), flip=True, seed=0)):  # workers loader
+        assert abs(transform(read_image(path), 0, 0).float().mean().item() - expected.mean()) < 4
+    big_endian = Image.frombytes("I;16B", (64, 48), noise.astype(">u2").tobytes())
+    little_endian = Image.frombytes("I;16L", (64, 48), noise.astype("<u2").tobytes())
+    thirty_two_bit = Image.fromarray(noise.astype(np.int32))  # mode I: how older Pillow opens 16-bit PNGs
+    for image in (big_endian, little_endian, thirty_two_bit):
+        assert np.array_equal(np.asarray(to_rgb(image))[..., 0], full[0].numpy()), image.mode
+    assert torch.equal(to_picture(big_endian, "item 0"), full)  # a dataset function's PIL image
+
+
+# ------------------------------------------------------------------ case 10: TensorBoard's folder
+
+
+@pytest.mark.distributed
+def test_27_10_tensorboard_folder_that_is_a_file_or_unwritable_is_one_line_before_training(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.mkdir()
+    (blocked / "tensorboard").write_text("in the way")
+    assert main(["train", *TINY, "log.tensorboard=true", f"out_dir={blocked}"]) == 2  # one process
+    assert "tensorboard is a file, not a folder for TensorBoard's event files" in one_line(capsys.readouterr().err)
+    locked = tmp_path / "locked"
+    (locked / "tensorboard").mkdir(parents=True)
+    with unwritable(locked / "tensorboard"):
+        for out in (blocked, locked):  # ddp×2: said by the launcher before any worker starts
+            result = cli("train", *TINY, "log.tensorboard=true", f"out_dir={out}", "--nproc-per-node", "2", timeout=120)
+            assert result.returncode == 2, result.stderr
+            line = one_line(result.stderr)
+            assert "multicard: error: " in line and "rank" not in line
+        assert "log.tensorboard=true cannot write" in line and "set log.tensorboard=false" in line
+    for out in (blocked, locked):
+        assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ case 11: report
+
+
+def test_27_11_report_skips_odd_lines_saying_how_many_and_checks_out(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    step = {"kind": "step", "epoch": 0, "step": 4, "loss": 2.3, "top1": 10.0, "lr": 0.1, "img_per_s": 900.0}
+    epoch = {"kind": "epoch", "epoch": 0, "step": 4, "train_loss": 2.3, "val_top1": 12.5, "val_loss": 2.2}
+    lines = [json.dumps(step), "[1, 2]", json.dumps({**epoch, "val_top1": "NaN"}), json.dumps(epoch), '{"kind": "st']
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 3 unreadable line(s) of" in one_line(captured.err)
+    assert "best val top-1 12.50% (epoch 0)" in captured.out and (tmp_path / "r.png").stat().st_size
+    assert main(["report", str(run), "--out", str(tmp_path)]) == 2
+    assert "is a directory; give a file name, e.g." in one_line(capsys.readouterr().err)
+    assert main(["report", str(run), "--out", str(run / "metrics.jsonl" / "r.png")]) == 2
+    assert "metrics.jsonl is a file, not a folder; choose another path" in one_line(capsys.readouterr().err)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    with unwritable(locked):
+        assert main(["report", str(run), "--out", str(locked / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert "r.png cannot be written (" in err.splitlines()[-1] and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ case 12: --out and --keep folders
+
+
+def test_27_12_plan_bench_and_verify_refuse_an_output_folder_they_cannot_use_before_any_work(tmp_path, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("in the way")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    commands = {
+        "plan": ["plan", "--gpu", "h100", "--out"],
+        "bench": ["bench", "--world-sizes", "1", "--out"],
+        "verify": ["verify", "--keep"],
+    }
+    for name, argv in commands.items():
+        assert main([*argv, str(file)]) == 2, name
+        assert f"{file} is a file; give a folder (the results are written inside it)" in one_line(
+            capsys.readouterr().err
+        )
+    with unwritable(locked):
+        assert main(["plan", "--gpu", "h100", "--out", str(locked / "plan")]) == 2
+        assert "plan cannot be written (" in one_line(capsys.readouterr().err)
+    assert not list(locked.iterdir())
+
+
+# ------------------------------------------------------------------ case 15: plan's bounds, quiet --measure
+
+
+def test_27_15_plan_bounds_say_the_truth_and_measure_prints_no_profiler_noise(tmp_path, capsys):
+    assert main(["plan", "--memory-gb", "1e9", "--out", str(tmp_path)]) == 2
+    assert "--memory-gb 1e+09 must be more than 0 and at most 100,000 GB" in one_line(capsys.readouterr().err)
+    assert main(["plan", "--gpu", "h100", "--gpus", "100000000", "--out", str(tmp_path)]) == 2
+    assert "--gpus 100000000 must be in 1..16 (devices, or CPU processes, of one node)" in one_line(
+        capsys.readouterr().err
+    )
+    # What --measure runs in each process: the real steps under the profiler, straight in one.
+    spec, result_file = tmp_path / "spec.json", tmp_path / "result.json"
+    config = to_dict(load_config(None, [*TINY, "train.resume=never", f"out_dir={tmp_path / 'run'}"]))
+    spec.write_text(json.dumps({"config": config, "memory_steps": 2, "warmup": 1, "steps": 1,
+                                "profile_memory": True, "result": str(result_file)}))  # fmt: skip
+    env = {k: v for k, v in clean_env().items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-m", "multicard.plan.worker", str(spec)], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(result_file.read_text())["ranks"][0]["peak_bytes"] > 0  # the profiler did run
+    for noise in ("USDT", "profiler_start", "gpuGetDeviceCount"):
+        assert noise not in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ case 16: model.kwargs.num_classes
+
+
+def test_27_16_num_classes_in_model_kwargs_says_it_comes_from_the_data(tmp_path, capsys):
+    with pytest.raises(UserError, match=r"model.kwargs.num_classes=5: the number of classes comes from the data"):
+        build_model("smallcnn", 10, {"num_classes": 5})
+    pytest.importorskip("timm")
+    argv = ["train", *TINY, "model.name=timm:resnet18", "model.kwargs={num_classes: 5}", f"out_dir={tmp_path}"]
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "remove it from model.kwargs" in line and "<locals>" not in line
+
+
+class _Payload:
+    """Unpickling it would call os.getcwd: the weights-only unpickler must refuse it."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_27_16_crafted_weights_are_refused_in_one_line_without_torchs_warning(tmp_path):
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"w": _Payload()}, protocol=4))  # torch warns of protocols above 2
+    done = cli("train", *TINY, f"model.weights={evil}", f"out_dir={tmp_path / 'run'}")
+    assert done.returncode == 2
+    assert "was not loaded" in one_line(done.stderr)  # the whole of stderr: torch's warning is not there
+
+
+# ------------------------------------------------------------------ case 17
+
+
+def test_27_17_a_one_process_sharded_save_prints_no_torch_warning(tmp_path):
+    done = cli("train", *TINY, "data.train_size=64", "checkpoint.format=sharded", f"out_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr and "torch.distributed is disabled" not in done.stderr
+    assert (tmp_path / "checkpoints" / "last" / "COMPLETE").exists()
+
+
+def test_27_17_fsdp_options_under_ddp_are_refused_like_ddp_options_under_fsdp(tmp_path, capsys):
+    argv = ["train", *TINY, "strategy=ddp", "fsdp.reshard_after_forward=false", f"out_dir={tmp_path}"]
+    assert main([*argv, "--nproc-per-node", "2"]) == 2  # the launcher refuses: no worker starts
+    assert (
+        "fsdp.reshard_after_forward is an FSDP option and has no effect under strategy=ddp; remove it, or use "
+        "strategy=fsdp" in one_line(capsys.readouterr().err)
+    )
+    assert not list(tmp_path.iterdir())
+    # Evaluation runs an fsdp checkpoint's config (its fsdp options included) under ddp: allowed.
+    cfg = load_config(None, ["fsdp.units=[BasicBlock]", "fsdp.reshard_after_forward=false"])
+    assert resolve(cfg, 2, 2, launched=True, training=False).strategy == "ddp"
+    with pytest.raises(UserError, match=r"is an FSDP option and has no effect under strategy=ddp"):
+        resolve(cfg, 2, 2, launched=True)
+
+
+def test_27_17_loader_processes_are_capped_to_the_cores_and_said_once(capsys):
+    cores = cpu_cores()
+    main_rank, other_rank = (ProcessContext(r, r, 2, 2, CPU, distributed=False) for r in (0, 1))
+    share = max(1, cores // 2)
+    assert loader_processes(100, main_rank) == share
+    assert f"data.num_workers=100 is more than the {share} core(s) each of the 2 process(es)" in one_line(
+        capsys.readouterr().err
+    )
+    assert loader_processes(100, other_rank) == share and capsys.readouterr().err == ""  # rank 0 says it
+    assert loader_processes(1, main_rank) == 1 and loader_processes(-1, main_rank) == min(8, share)
+    assert capsys.readouterr().err == ""
+
+
+def test_27_17_a_very_large_image_decodes_without_pillows_bomb_warning(tmp_path, monkeypatch):
+    # Pillow warns above MAX_IMAGE_PIXELS (89 M by default: a 12000×9000 photo) and refuses above
+    # twice that; a small limit makes small images stand for those.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1500)
+    photo = np.random.default_rng(0).integers(0, 256, (30, 40, 3)).astype(np.uint8)  # 1200 px
+    large, huge = tmp_path / "large.jpg", tmp_path / "huge.jpg"
+    Image.fromarray(np.tile(photo, (1, 2, 1))).save(large, quality=90)  # 2400 px: warned of
+    Image.fromarray(np.tile(photo, (2, 2, 1))).save(huge, quality=90)  # 4800 px: refused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for transform in (FitSquare(16, 20), RandomResizedCropFlip(16, (0.5, 1.0), flip=True, seed=0)):
+            assert transform(read_image(large), 0, 0).shape == (3, 16, 16)
+        assert read_image(large).tensor().shape == (3, 30, 80)
+        with pytest.raises(UserError, match=r"cannot decode image .*huge.jpg \(Image size \(4800 pixels\) exceeds"):
+            read_image(huge)
+    data = io.BytesIO()
+    Image.fromarray(np.tile(photo, (1, 2, 1))).save(data, "PNG")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert to_picture(data.getvalue(), "item 3").tensor().shape == (3, 30, 80)  # a dataset function's bytes
