@@ -16,6 +16,13 @@ from multicard.errors import UserError
 TEMP_SUFFIX = ".tmp"  # temporaries are hidden: .<name>.<random>.tmp
 
 
+def probe_write(folder: Path) -> None:
+    """Raise the OSError a new file in `folder` would meet (full, read-only, not permitted): a file
+    is made and removed, as permission bits do not tell (root, read-only mounts)."""
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
 def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call write(f) on a temporary file, then rename it to `path`.
 

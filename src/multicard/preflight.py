@@ -4,9 +4,9 @@ can be written, and the optional packages the config asks for are installed."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
+from multicard.atomic import probe_write
 from multicard.config import Config
 from multicard.errors import UserError
 from multicard.telemetry import check_tensorboard_folder, tensorboard_writer
@@ -36,8 +36,7 @@ def check_output_folder(path: str, flag: str) -> None:
         inside = "" if where == out else f": {where}"
         raise UserError(f"{flag} {path}{inside} is a file; give a folder (the results are written inside it)")
     try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
+        probe_write(where)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise UserError(f"{flag} {path} cannot be written ({reason}); choose another folder") from None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -26,7 +25,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from multicard.atomic import write_text_atomic
+from multicard.atomic import probe_write, write_text_atomic
 from multicard.config import DataConfig
 from multicard.errors import UserError
 from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
@@ -361,7 +360,6 @@ def check_tensorboard_folder(folder: Path) -> None:
     if not where.is_dir():
         return  # out_dir does not exist yet: it is made (and checked) by prepare_out_dir
     try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
+        probe_write(where)
     except OSError as exc:
         raise _tensorboard_unwritable(folder, exc) from None
