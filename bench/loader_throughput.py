@@ -47,7 +47,7 @@ from torchvision import transforms as T
 from multicard.config import load_config
 from multicard.data import build_data
 from multicard.data import jpeg as fast_jpeg
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.data.sources import scan_folder
 from multicard.process_group import ProcessContext
 
@@ -96,7 +96,7 @@ def multicard_loaders(root: Path, link_dir: Path, batch: int, seed: int, functio
         ],
     )  # fmt: skip
     ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
-    data = build_data(cfg.data, cfg.seed, BatchPlan(batch, 1, 1), ctx)
+    data = build_data(cfg.data, cfg.seed, BatchSplit(batch, 1, 1), ctx)
 
     def train(epoch: int) -> Iterable:
         data.train.set_epoch(epoch)

@@ -1,9 +1,9 @@
 """How close `multicard plan` comes on this machine: predicted vs measured peak tensor memory per
 process and step time, for several models × micro-batch sizes × strategies, from one run.
 
-Each (model, micro-batch) is planned and measured by `multicard plan --gpu cpu --gpus 2 --measure`
-itself (single at that micro-batch; ddp and fsdp ZeRO-3 with 2 processes at that micro-batch each),
-so the measured steps are multicard's own loop. Memory: the profiler's allocation peak
+Each (model, micro-batch) is planned and measured by what `multicard plan --gpu cpu --gpus 2 --measure`
+runs (plan/measure.py's measure_here): single at that micro-batch; ddp and fsdp ZeRO-3 with 2 processes
+at that micro-batch each, so the measured steps are multicard's own loop. Memory: the profiler's allocation peak
 (CPU). Time: wall time of a step, the fastest of --steps and their median (other work on a shared
 machine slows some steps); calibrate first (--calibrate) for meaningful times.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,31 +42,33 @@ def print_row(r: dict) -> None:
           flush=True)  # fmt: skip
 
 
-def plan_json(model: str, size: int, micro: int, strategies: str, processes: int, steps: int, out: Path) -> dict:
-    argv = [sys.executable, "-m", "multicard.plan", "--gpu", "cpu", "--gpus", str(processes), "--measure",
-            "--strategies", strategies, "--steps", str(steps), "--json", "--out", str(out),
-            f"model.name={model}", f"data.image_size={size}", f"train.global_batch_size={micro * processes}",
+def overrides_of(model: str, size: int, micro: int, processes: int) -> list[str]:
+    return [f"model.name={model}", f"data.image_size={size}", f"train.global_batch_size={micro * processes}",
             "optim.name=adamw"]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout)
+
+
+def measure_case(model: str, size: int, micro: int, strategies: str, processes: int, steps: int) -> dict:
+    """What `multicard plan --gpu cpu --gpus P --measure --strategies S` measures, by strategy key."""
+    from multicard.config import load_config
+    from multicard.plan.measure import measure_here
+
+    overrides = overrides_of(model, size, micro, processes)
+    return measure_here(load_config(None, overrides), None, overrides, gpus=processes, steps=steps,
+                        strategies=strategies.split(","))  # fmt: skip
 
 
 def predict(row: dict, steps: int) -> tuple[float, float]:
     """(tensor bytes, step seconds) the planner now predicts for a measured row."""
     import shutil
-    from types import SimpleNamespace
 
     from multicard.config import load_config
-    from multicard.plan.cli import local_target, measurement_config
+    from multicard.plan.measure import local_target, measurement_config
     from multicard.plan.planner import make_plan
 
-    overrides = [f"model.name={row['model']}", f"data.image_size={row['image_size']}",
-                 f"train.global_batch_size={row['micro_batch'] * row['processes']}", "optim.name=adamw"]  # fmt: skip
+    overrides = overrides_of(row["model"], row["image_size"], row["micro_batch"], row["processes"])
     cfg = measurement_config(load_config(None, overrides), steps)
     try:
-        target = local_target(SimpleNamespace(gpus=row["processes"], memory_gb=None))
+        target = local_target(row["processes"])
         planned = next(r for r in make_plan(cfg, None, overrides, target).rows if r.candidate.key == row["strategy"])
         return planned.fit_memory.tensors, planned.time.total_s
     finally:
@@ -85,7 +86,11 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
-        subprocess.run([sys.executable, "-m", "multicard.plan", "--calibrate"], check=True)
+        from rich.console import Console
+
+        from multicard.plan.command import calibrate_here
+
+        calibrate_here(Console(stderr=True))
     rows = []
     started = time.time()
     print(f"{'model':<36} {'micro':>5} {'strategy':<6} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} "
@@ -98,8 +103,8 @@ def main() -> int:
                 strategies = ",".join(k for k in run_strategies.split(",") if k in args.strategies.split(","))
                 if not strategies:
                     continue
-                data = plan_json(model, size, micro, strategies, processes, args.steps, args.out / "last")
-                for key, m in data["measured"].items():
+                measured = measure_case(model, size, micro, strategies, processes, args.steps)
+                for key, m in measured.items():
                     if key not in strategies.split(","):
                         continue
                     row = {"model": model, "image_size": size, "micro_batch": micro, "strategy": key,

@@ -15,13 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from multicard.plan import memcap
+from multicard.config import load_config
+from multicard.plan import cgroup_cap
+from multicard.plan.calibration import Calibration, calibration_path
+from multicard.plan.planner import make_plan
+from multicard.plan.report import as_dict
+from multicard.plan.target import make_target
 
 # The same data for the plan and the runs (the embedded images are held in memory); one step each.
 BASE = ["data.image_size=64", "devices=cpu", "strategy=single", "data.train_size=4000", "data.val_size=8",
@@ -30,17 +34,17 @@ KWARGS = {"smallcnn": ["model.kwargs.width=48"]}
 
 
 def largest_batch(model: str, cap_gb: float, extra: list[str]) -> tuple[int, dict]:
-    with tempfile.TemporaryDirectory(prefix="plan-maxbatch-") as out:
-        argv = [sys.executable, "-m", "multicard.plan", "--memory-gb", str(cap_gb), "--json", "--out", out,
-                f"model.name={model}", *BASE, *extra]  # fmt: skip
-        done = subprocess.run(argv, capture_output=True, text=True, check=True)
-    row = next(r for r in json.loads(done.stdout)["rows"] if r["strategy"] == "single")
+    """What `multicard plan --memory-gb CAP` says of single: its largest micro-batch, and its row."""
+    overrides = [f"model.name={model}", *BASE, *extra]
+    target = make_target(None, cap_gb, 1, 1, None, Calibration.load(calibration_path()))
+    plan = make_plan(load_config(None, overrides), None, overrides, target)
+    row = next(r for r in as_dict(plan, None)["rows"] if r["strategy"] == "single")
     return row["max_micro_batch"], row
 
 
 def train_capped(model: str, batch: int, cap_gb: float, extra: list[str]) -> dict:
     start = time.time()
-    with tempfile.TemporaryDirectory(prefix="plan-maxbatch-") as out, memcap.MemoryCap(int(cap_gb * 1e9)) as cap:
+    with tempfile.TemporaryDirectory(prefix="plan-maxbatch-") as out, cgroup_cap.MemoryCap(int(cap_gb * 1e9)) as cap:
         overrides = [f"model.name={model}", *BASE, *extra, f"train.global_batch_size={batch}", f"out_dir={out}"]
         done = cap.run([sys.executable, "-m", "multicard", "train", *overrides], timeout=1800)
         result = {"batch": batch, "exit": done.returncode, "oom_kills": cap.oom_kills,
@@ -56,11 +60,11 @@ def main() -> int:
     p.add_argument("--models", default="smallcnn,torchvision.models:efficientnet_b0")
     p.add_argument("--out", type=Path, default=Path("runs/plan-maxbatch"))
     args = p.parse_args()
-    why = memcap.available()
+    why = cgroup_cap.available()
     if why:
         print(f"plan_maxbatch: cannot cap memory here: {why}", file=sys.stderr)
         return 2
-    memcap.remove_stale()
+    cgroup_cap.remove_stale()
     rows, ok = [], True
     for model in args.models.split(","):
         extra = KWARGS.get(model, [])

@@ -28,7 +28,7 @@ def main() -> int:
         times = []
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory(prefix="plan-speed-") as out:
-                argv = [sys.executable, "-m", "multicard.plan", "--gpu", "h100", "--gpus", "8", "--json",
+                argv = [sys.executable, "-m", "multicard", "plan", "--gpu", "h100", "--gpus", "8", "--json",
                         "--out", out, *overrides]  # fmt: skip
                 start = time.perf_counter()
                 subprocess.run(argv, check=True, capture_output=True)

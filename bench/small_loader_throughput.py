@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from multicard.config import load_config, with_overrides
 from multicard.data import build_data
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.models import build_model
 from multicard.process_group import ProcessContext, cpu_cores
 
@@ -29,7 +29,7 @@ from multicard.process_group import ProcessContext, cpu_cores
 def loader_img_per_s(cfg, loader: str) -> tuple[float, float]:
     """(img/s of a warm epoch, seconds to build and run the first one)."""
     cfg = with_overrides(cfg, [f"data.loader={loader}"])
-    plan = BatchPlan(cfg.train.global_batch_size, 1, 1)
+    plan = BatchSplit(cfg.train.global_batch_size, 1, 1)
     start = time.perf_counter()
     data = build_data(cfg.data, cfg.seed, plan, ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False))
     rates = []

@@ -1,4 +1,4 @@
-"""multicard bench: the cell plan, the row arithmetic, and a tiny real matrix end to end."""
+"""multicard bench: the cell matrix, the row arithmetic, and a tiny real matrix end to end."""
 
 from __future__ import annotations
 
@@ -8,31 +8,31 @@ import matplotlib.image
 import pytest
 
 from conftest import cli
-from multicard.bench.cells import DEFAULT_VARIANT, Cell, Variant, parse_variant, plan_cells
-from multicard.bench.measure import summary_ms
+from multicard.bench.cells import DEFAULT_VARIANT, Cell, Variant, choose_cells, parse_variant
 from multicard.bench.report import heartbeat_lines
 from multicard.bench.runner import make_rows
 from multicard.errors import UserError
+from multicard.phases import summary_ms
 
 REQUIRED = {"runner", "strategy", "world_size", "precision", "img_per_s", "step_ms_median", "peak_mem_mb"}
 
 
 def test_plan_skips_what_this_machine_cannot_run_with_reasons():
-    plan = plan_cells(
+    matrix = choose_cells(
         ["multicard", "plain", "lightning"], ["single", "dp", "ddp"], [2, 4], ["fp32"], [], gpus=0, cpu_cores=2
     )
-    reasons = {c.label: r for c, r in plan.skipped}
+    reasons = {c.label: r for c, r in matrix.skipped}
     assert "DataParallel needs CUDA GPUs" in reasons["multicard/dp×2/fp32"]
     assert "only 2 CPU cores" in reasons["multicard/ddp×4/fp32"]
-    runnable = {c.label for c in plan.cells}
+    runnable = {c.label for c in matrix.cells}
     assert {"multicard/single×1/fp32", "plain/single×1/fp32", "multicard/ddp×2/fp32", "plain/ddp×2/fp32"} <= runnable
-    assert not any(c.strategy == "dp" for c in plan.cells)
+    assert not any(c.strategy == "dp" for c in matrix.cells)
 
 
 def test_plan_on_gpus_counts_gpus_not_cores():
-    plan = plan_cells(["multicard"], ["dp", "ddp"], [2, 4], ["bf16"], [], gpus=2, cpu_cores=64)
-    assert {c.label for c in plan.cells} == {"multicard/dp×2/bf16", "multicard/ddp×2/bf16"}
-    assert all("2 present" in r or "only 2 GPU" in r for _, r in plan.skipped)
+    matrix = choose_cells(["multicard"], ["dp", "ddp"], [2, 4], ["bf16"], [], gpus=2, cpu_cores=64)
+    assert {c.label for c in matrix.cells} == {"multicard/dp×2/bf16", "multicard/ddp×2/bf16"}
+    assert all("2 present" in r or "only 2 GPU" in r for _, r in matrix.skipped)
 
 
 def test_variants_add_multicard_cells_of_their_strategy_only():
@@ -40,10 +40,10 @@ def test_variants_add_multicard_cells_of_their_strategy_only():
     assert bf16 == Variant("bf16", ("ddp.comm_hook=bf16",), "ddp")
     zero2 = parse_variant("zero2:fsdp.reshard_after_forward=false", "fsdp")
     strategies = ["single", "ddp", "fsdp"]
-    plan = plan_cells(["multicard", "plain"], strategies, [2], ["fp32"], [bf16, zero2], gpus=0, cpu_cores=2)
-    with_variant = [c.label for c in plan.cells if c.variant != DEFAULT_VARIANT]
+    matrix = choose_cells(["multicard", "plain"], strategies, [2], ["fp32"], [bf16, zero2], gpus=0, cpu_cores=2)
+    with_variant = [c.label for c in matrix.cells if c.variant != DEFAULT_VARIANT]
     assert with_variant == ["multicard/ddp×2/fp32+bf16", "multicard/fsdp×2/fp32+zero2"]
-    assert [c.label for c, _ in plan.skipped if c.strategy == "fsdp"] == ["plain/fsdp×2/fp32"]  # no fsdp yardstick
+    assert [c.label for c, _ in matrix.skipped if c.strategy == "fsdp"] == ["plain/fsdp×2/fp32"]  # no fsdp yardstick
 
 
 @pytest.mark.parametrize("text", ["bf16", "bf16:", ":ddp.comm_hook=bf16", "x:ddp.comm_hook"])
@@ -54,7 +54,7 @@ def test_bad_variant_is_a_user_error(text):
 
 def test_unknown_runner_is_a_user_error():
     with pytest.raises(UserError, match="--runners torch"):
-        plan_cells(["torch"], ["single"], [1], ["fp32"], [], gpus=0, cpu_cores=2)
+        choose_cells(["torch"], ["single"], [1], ["fp32"], [], gpus=0, cpu_cores=2)
 
 
 def _result(ms: float) -> dict:

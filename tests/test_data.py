@@ -16,7 +16,7 @@ from multicard.config import load_config
 from multicard.data import build_data as build_loaders
 from multicard.data import decode
 from multicard.data import read_splits as read_sources
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.errors import UserError
 from multicard.process_group import ProcessContext
 
@@ -78,7 +78,7 @@ def epoch_ids(cfg, world: int, global_batch: int, epoch: int = 0) -> list[torch.
     """For each optimizer step, what all ranks read together (rank order), as image numbers."""
     per_rank = []
     for rank in range(world):
-        data = build_data(cfg, BatchPlan(global_batch, 1, world), rank, world, CPU)
+        data = build_data(cfg, BatchSplit(global_batch, 1, world), rank, world, CPU)
         data.train.set_epoch(epoch)
         per_rank.append([decode_ids(x) for x, _ in data.train])
     return [torch.cat(step) for step in zip(*per_rank, strict=True)]
@@ -117,7 +117,7 @@ def test_cifar10_reader_reads_the_pickled_batches(tmp_path):
 def test_cifar10_trains_through_the_device_loader(tmp_path):
     write_cifar(tmp_path)
     cfg = config("data.name=cifar10", f"data.root={tmp_path}", "data.loader=auto")
-    data = build_data(cfg, BatchPlan(10, 1, 1), 0, 1, CPU)
+    data = build_data(cfg, BatchSplit(10, 1, 1), 0, 1, CPU)
     assert data.loader == "device" and data.num_classes == 10
     data.train.set_epoch(0)
     x, y = next(iter(data.train))
@@ -186,7 +186,7 @@ def test_corrupt_image_names_the_file(tmp_path, loader):
     bad.write_bytes(b"\x89PNG broken")
     cfg = folder_config(tmp_path / "d", f"data.loader={loader}", "data.val_fraction=0.5")
     with pytest.raises(UserError) as info:
-        data = build_data(cfg, BatchPlan(10, 1, 1), 0, 1, CPU)
+        data = build_data(cfg, BatchSplit(10, 1, 1), 0, 1, CPU)
         data.train.set_epoch(0)
         list(data.train)
         list(data.val)
@@ -201,7 +201,7 @@ def test_decoded_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
     write_coded_folder(tmp_path / "d" / "train", 30)
     cfg = folder_config(tmp_path / "d", "data.loader=device")
     cache = tmp_path / "cache"
-    first = build_data(cfg, BatchPlan(8, 1, 1), 0, 1, CPU)
+    first = build_data(cfg, BatchSplit(8, 1, 1), 0, 1, CPU)
     entries = sorted(cache.glob("*.pt"))
     assert len(entries) == 2  # train and val
 
@@ -213,7 +213,7 @@ def test_decoded_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
         return real_decode(files, size)
 
     monkeypatch.setattr(decode, "decode_files", counting_decode)
-    second = build_data(cfg, BatchPlan(8, 1, 1), 0, 1, CPU)
+    second = build_data(cfg, BatchSplit(8, 1, 1), 0, 1, CPU)
     assert calls == []  # served from the cache
     assert torch.equal(first.train.data.images, second.train.data.images)
 
@@ -221,7 +221,7 @@ def test_decoded_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
     changed = next(p for p in (tmp_path / "d" / "train").rglob("*.png") if p.name == "0005.png")
     Image.fromarray(np.full((8, 8, 3), 200, dtype=np.uint8)).save(changed)
     os.utime(changed, ns=(1, 1))
-    third = build_data(cfg, BatchPlan(8, 1, 1), 0, 1, CPU)
+    third = build_data(cfg, BatchSplit(8, 1, 1), 0, 1, CPU)
     assert calls == [len(third.train.data)] or calls == [len(third.val.data)]
     assert len(sorted(cache.glob("*.pt"))) == 2
     assert sorted(cache.glob("*.pt")) != entries
@@ -251,7 +251,7 @@ def test_loader_processes_start_when_the_data_is_built_and_serve_every_epoch(tmp
     write_coded_folder(tmp_path / "d" / "train", 100)
     cfg = folder_config(tmp_path / "d", "data.loader=workers", "data.augment=false", *IDENTITY_NORM)
     before = set(multiprocessing.active_children())
-    data = build_data(cfg, BatchPlan(20, 1, 1), 0, 1, CPU)
+    data = build_data(cfg, BatchSplit(20, 1, 1), 0, 1, CPU)
     started = set(multiprocessing.active_children()) - before
     assert len(started) == 2  # one for the training loader, one for evaluation
     device = folder_config(tmp_path / "d", "data.loader=device", "data.augment=false", *IDENTITY_NORM)
@@ -277,7 +277,7 @@ def test_every_validation_sample_once_across_ranks(tmp_path, loader):
 def augmented_epoch(cfg, world: int) -> torch.Tensor:
     parts = []
     for rank in range(world):
-        data = build_data(cfg, BatchPlan(16, 1, world), rank, world, CPU)
+        data = build_data(cfg, BatchSplit(16, 1, world), rank, world, CPU)
         data.train.set_epoch(2)
         parts.append([x for x, _ in data.train])
     return torch.cat([torch.cat(step) for step in zip(*parts, strict=True)])

@@ -8,20 +8,20 @@ import sys
 import pytest
 
 from conftest import clean_env
-from multicard.allocator import wants_release
 from multicard.config import load_config
-from multicard.plan import memcap
+from multicard.malloc import wants_release
+from multicard.plan import cgroup_cap
 
 PROBE = (
-    "import json; from multicard.allocator import wants_release; from multicard.host_memory import cgroup_limit;"
+    "import json; from multicard.malloc import wants_release; from multicard.host_memory import cgroup_limit;"
     "print(json.dumps([cgroup_limit(), wants_release('auto'), wants_release('false'), wants_release('TRUE')]))"
 )
 
 
-@pytest.mark.skipif(memcap.available() != "", reason=memcap.available() or "memory caps work")
+@pytest.mark.skipif(cgroup_cap.available() != "", reason=cgroup_cap.available() or "memory caps work")
 @pytest.mark.parametrize("limit", [None, 3 * 2**30])
 def test_auto_releases_memory_exactly_under_a_cgroup_limit(limit):
-    with memcap.MemoryCap(limit) as cap:
+    with cgroup_cap.MemoryCap(limit) as cap:
         done = cap.run([sys.executable, "-c", PROBE], timeout=60, env=clean_env())
     assert done.returncode == 0, done.stderr
     seen, auto, off, on = json.loads(done.stdout)

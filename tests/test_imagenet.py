@@ -29,8 +29,8 @@ from multicard.data.crops import crop_uniforms
 from multicard.data.decode import read_image
 from multicard.data.decode_choice import choose_decode
 from multicard.data.gpu_decode import TORCHVISION_DEPRECATION, GpuDecode, nvjpeg
-from multicard.data.jpeg_plan import JpegFile, JpegPlan, collate_encoded
-from multicard.data.sampling import BatchPlan
+from multicard.data.jpeg_crop import JpegFile, JpegTransform, collate_encoded
+from multicard.data.sampling import BatchSplit
 from multicard.data.sources import Files, InMemory, Splits
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip
 from multicard.errors import UserError
@@ -157,7 +157,7 @@ def test_auto_decodes_on_the_gpu_only_where_it_applies():
 def planned_batch(paths: list[Path], transform, epoch: int, decode=nvjpeg, device="cpu") -> torch.Tensor:
     """What data.decode=gpu makes of `paths` (dataset indices 0..n-1) on `device`: uint8 values as
     floats. On the CPU the `nvjpeg` wrapper decodes with torchvision's CPU decoder."""
-    plan = JpegPlan(transform)
+    plan = JpegTransform(transform)
     items = [(plan(read_image(path), epoch, i), torch.tensor(0), i) for i, path in enumerate(paths)]
     batch, _, _ = collate_encoded(items)
     return GpuDecode([0, 0, 0], [1, 1, 1], torch.device(device), 0, transform.size, decode).assemble(batch)
@@ -203,7 +203,7 @@ def test_other_files_are_decoded_by_the_workers_as_on_the_cpu(tmp_path):
         save_image(tmp_path, "grey.jpg", Image.fromarray(pixels).convert("L"), quality=95),
     ]
     transform = RandomResizedCropFlip(96, (0.08, 1.0), flip=True, seed=3)
-    planned = [JpegPlan(transform)(read_image(path), 0, i) for i, path in enumerate(paths)]
+    planned = [JpegTransform(transform)(read_image(path), 0, i) for i, path in enumerate(paths)]
     assert [isinstance(p, JpegFile) for p in planned] == [True, False, False, True]
     ours, theirs = planned_batch(paths, transform, 0), cpu_batch(paths, transform, 0)
     assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[2], theirs[2])
@@ -263,7 +263,7 @@ def epoch_batches(root: Path, on_gpu_path: bool, monkeypatch) -> tuple[list, lis
         if on_gpu_path:  # what choose_decode answers on a CUDA device
             patch.setattr(data_module, "choose_decode", lambda *args: "gpu")
         ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
-        data = build_data(cfg.data, cfg.seed, BatchPlan(8, 1, 1), ctx)
+        data = build_data(cfg.data, cfg.seed, BatchSplit(8, 1, 1), ctx)
     assert isinstance(data.train.finish, GpuDecode) == on_gpu_path
     try:
         data.train.set_epoch(1)
@@ -311,3 +311,31 @@ def test_cuda_training_with_gpu_decoding(small_imagenet, tmp_path):
                  "data.eval_batch_size=16", f"out_dir={tmp_path}")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 5
+
+
+MODERN = {"imagenet_resnet50_v2": "acc@1 80.858", "imagenet_resnet50_fast": "74.6%"}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", MODERN)
+def test_modern_recipe_trains_4_steps_under_ddp2_on_cpu(small_imagenet, tmp_path, name):
+    """torchvision's V2 recipe (mixing, TrivialAugment, erasing, repeats, EMA, per-epoch warm-up) and
+    ffcv's fast one (progressive resizing, linear schedule, evaluation at 256 px with a flip), as they
+    are but for a batch of 4 and 4 steps on 40 photos."""
+    assert MODERN[name] in recipe(name).read_text()  # the published figure it cites
+    steps, batch = 4, 4
+    small = ["devices=cpu", f"data.root={small_imagenet}", f"train.global_batch_size={batch}", "ema.every=2",
+             f"train.max_steps={steps}", "data.eval_batch_size=8", "log_every=2", f"out_dir={tmp_path}"]  # fmt: skip
+    result = cli("train", "--config", str(recipe(name)), "--nproc-per-node", "2", *small, timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    epoch = next(r for r in records if r["kind"] == "epoch")
+    assert epoch["val_samples"] == SMOKE_CLASSES and np.isfinite(epoch["train_loss"])
+    cfg = load_config(str(recipe(name)), small)
+    lr = [r for r in records if r["kind"] == "step"][-1]["lr"]
+    if cfg.ema.decay:  # V2: the EMA validated beside the model; the warm-up's first lr held for the epoch
+        assert np.isfinite(epoch["ema_val_top1"])
+        assert lr == pytest.approx(cfg.optim.lr * cfg.sched.warmup_start)
+    else:  # fast: the lr rises every step from 1e-4 × its peak over 2 epochs of 10 steps
+        assert lr == pytest.approx(cfg.optim.lr * (1e-4 + (1 - 1e-4) * (steps + 1) / 20))

@@ -18,7 +18,7 @@ from multicard.config import load_config
 from multicard.data import build_data, jpeg
 from multicard.data.crops import DRAWS, RATIO, centre_region, crop_uniforms, random_resized_box
 from multicard.data.decode import read_image
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, reduction
 from multicard.errors import UserError
 from multicard.process_group import ProcessContext
@@ -177,7 +177,7 @@ def loader_epoch(root: Path, world: int, workers: int, seed: int = 0) -> torch.T
     per_rank = []
     for rank in range(world):
         ctx = ProcessContext(rank, 0, world, 1, torch.device("cpu"), distributed=False)
-        data = build_data(cfg.data, cfg.seed, BatchPlan(8, 1, world), ctx)
+        data = build_data(cfg.data, cfg.seed, BatchSplit(8, 1, world), ctx)
         data.train.set_epoch(1)
         per_rank.append([x for x, _ in data.train])
         data.close()

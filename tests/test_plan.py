@@ -18,22 +18,22 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import clean_env
+from multicard.cli import main as cli_main
 from multicard.config import load_config, with_overrides
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.errors import UserError
 from multicard.models import build_model
-from multicard.plan import memcap
-from multicard.plan.allocations import window_peak
-from multicard.plan.calibrate import Calibration
-from multicard.plan.cli import main as plan_main
+from multicard.plan import cgroup_cap
+from multicard.plan.calibration import Calibration
 from multicard.plan.dataset import data_facts
 from multicard.plan.hardware import GPUS, find_gpu, gpu_for_device, peak_bf16
 from multicard.plan.memory import Layout, largest_batch, peak, timeline
+from multicard.plan.ops import op_flops
 from multicard.plan.planner import make_plan
-from multicard.plan.scaling import StepModel, step_model
+from multicard.plan.profiled_peak import window_peak
+from multicard.plan.step_model import StepModel, step_model
 from multicard.plan.target import make_target
 from multicard.plan.trace import trace_step
-from multicard.plan.tracker import op_flops
 from multicard.process_group import ProcessEnv, cpu_cores
 from multicard.session import open_session
 
@@ -41,9 +41,14 @@ SMALL = ["model.name=smallcnn", "data.image_size=32", "data.train_size=256", "da
 
 
 def plan_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`multicard plan ARGS` in a fresh process (through `python -m multicard.plan`)."""
-    return subprocess.run([sys.executable, "-m", "multicard.plan", *args], capture_output=True, text=True,
+    """`multicard plan ARGS` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "multicard", "plan", *args], capture_output=True, text=True,
                           timeout=timeout, env=clean_env())  # fmt: skip
+
+
+def plan_main(args: list[str]) -> int:
+    """`multicard plan ARGS` in this process (the CLI's own entry and error path)."""
+    return cli_main(["plan", *args])
 
 
 def tensor_bytes(model: StepModel, n: int) -> float:
@@ -168,8 +173,8 @@ def test_adamw_runs_fused_on_shards_so_fsdp_has_no_optimizer_temporaries():
 
 
 def test_depthwise_backward_and_normalisations_take_rates_of_their_own():
+    from multicard.plan.ops import GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM
     from multicard.plan.timing import Rates
-    from multicard.plan.tracker import GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM
 
     cfg = load_config(None, ["model.name=torchvision.models:mobilenet_v3_small", "data.image_size=32"])
     ops = trace_step(cfg, 2, 10).ops
@@ -202,7 +207,7 @@ def test_accumulation_keeps_the_global_batch_when_the_micro_batch_does_not_fit()
     for row in plan.rows:
         if row.fits:
             assert row.accum * row.fit_micro_batch * row.processes == 1024
-            BatchPlan(1024, row.accum, row.processes)  # accepted
+            BatchSplit(1024, row.accum, row.processes)  # accepted
             assert row.fit_micro_batch <= row.max_micro_batch < row.micro_batch
             assert f"train.grad_accum={row.accum}" in row.command
 
@@ -295,7 +300,7 @@ def test_calibration_is_kept_per_machine(tmp_path):
     cal.machine = "another machine"
     cal.save(tmp_path / "c.json")
     assert Calibration.load(tmp_path / "c.json") is None
-    from multicard.plan.calibrate import machine_id
+    from multicard.plan.calibration import machine_id
 
     cal.machine = machine_id()
     cal.save(tmp_path / "c.json")
@@ -338,7 +343,7 @@ def test_measure_runs_multicards_loop_and_agrees_with_the_plan(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(memcap.available() != "", reason=memcap.available() or "memory caps work")
+@pytest.mark.skipif(cgroup_cap.available() != "", reason=cgroup_cap.available() or "memory caps work")
 def test_the_largest_batch_trains_under_the_cap_and_a_quarter_more_is_killed(tmp_path):
     """The plan's largest micro-batch for a per-process cap trains under that cap (a cgroup), in
     multicard train itself; 1.25× of it is killed for memory."""
@@ -351,7 +356,7 @@ def test_the_largest_batch_trains_under_the_cap_and_a_quarter_more_is_killed(tmp
     codes = {}
     for batch in (largest, int(largest * 1.25)):
         run = [f"train.global_batch_size={batch}", f"out_dir={tmp_path / str(batch)}"]
-        with memcap.MemoryCap(int(cap_gb * 1e9)) as cap:
+        with cgroup_cap.MemoryCap(int(cap_gb * 1e9)) as cap:
             codes[batch] = (cap.run([sys.executable, "-m", "multicard", "train", *base, *run], timeout=900,
                                     env=clean_env()).returncode, cap.oom_kills)  # fmt: skip
     assert codes[largest] == (0, 0), codes
@@ -359,15 +364,15 @@ def test_the_largest_batch_trains_under_the_cap_and_a_quarter_more_is_killed(tmp
 
 
 def test_memory_cap_leaves_no_cgroup_behind():
-    if memcap.available():
-        pytest.skip(memcap.available())
-    with memcap.MemoryCap(10**8) as cap:
+    if cgroup_cap.available():
+        pytest.skip(cgroup_cap.available())
+    with cgroup_cap.MemoryCap(10**8) as cap:
         path = cap.path
         done = cap.run([sys.executable, "-c", "b = bytearray(300 * 2**20); print(len(b))"], timeout=60)
         assert done.returncode == -9 and cap.oom_kills == 1  # killed for memory, not an error of its own
     assert not path.exists()
     with pytest.raises(subprocess.TimeoutExpired):
-        with memcap.MemoryCap(None) as cap:
+        with cgroup_cap.MemoryCap(None) as cap:
             path = cap.path
             cap.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
     assert not path.exists()

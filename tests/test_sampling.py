@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from multicard.data.augment import crop_flip
-from multicard.data.sampling import BatchPlan, ShardedBatchSampler, eval_shard
+from multicard.data.sampling import BatchSplit, ShardedBatchSampler, eval_shard
 from multicard.errors import UserError
 
 
 def _epoch(num_samples, global_batch, accum, world, epoch, seed=0):
     """Per optimizer step, the sorted union of what all ranks read (simulated ranks)."""
-    plan = BatchPlan(global_batch, accum, world)
+    plan = BatchSplit(global_batch, accum, world)
     samplers = [ShardedBatchSampler(num_samples, plan, r, seed) for r in range(world)]
     for s in samplers:
         s.set_epoch(epoch)
@@ -47,7 +47,7 @@ def test_order_changes_between_epochs_and_repeats_with_the_seed():
 
 
 def test_resume_position_skips_the_steps_done():
-    plan = BatchPlan(20, 1, 2)
+    plan = BatchSplit(20, 1, 2)
     full = ShardedBatchSampler(500, plan, 1, seed=0)
     full.set_epoch(2)
     later = ShardedBatchSampler(500, plan, 1, seed=0)
@@ -57,14 +57,14 @@ def test_resume_position_skips_the_steps_done():
 
 
 def test_batch_plan_derives_micro_batch_and_names_the_fix():
-    assert BatchPlan(256, 2, 4).micro_batch == 32
+    assert BatchSplit(256, 2, 4).micro_batch == 32
     with pytest.raises(UserError, match="multiple of 6"):
-        BatchPlan(64, 2, 3)
+        BatchSplit(64, 2, 3)
 
 
 def test_too_small_dataset_is_refused():
     with pytest.raises(UserError, match="fewer than one global batch"):
-        ShardedBatchSampler(10, BatchPlan(32, 1, 1), 0, 0)
+        ShardedBatchSampler(10, BatchSplit(32, 1, 1), 0, 0)
 
 
 @pytest.mark.parametrize("n, world", [(1001, 1), (1001, 2), (1001, 3), (5, 8), (0, 2)])

@@ -15,7 +15,7 @@ import pytest
 from conftest import FAULTS, TINY, alive, cli, descendants, start, wait_for, worker_pid
 from multicard.checkpoint import checkpoints_in
 from multicard.cli import main
-from multicard.report import figure, load_run
+from multicard.run_records import figure, load_run
 
 pytestmark = pytest.mark.distributed
 

@@ -236,3 +236,28 @@ def test_server_stopped_mid_run_warns_once_and_training_completes(server, tmp_pa
     assert "training goes on without it (metrics.jsonl and TensorBoard keep every record)" in warnings[0]
     assert [r["step"] for r in jsonl(tmp_path, "step")] == list(range(2, STEPS + 1, 2))
     assert [r["step"] for r in jsonl(tmp_path, "epoch")] == [8, 16]
+
+
+@needs_trackers
+def test_bench_logging_times_the_loop_with_both_trackers_attached(tmp_path):
+    """`multicard bench --logging` attaches the run's logs as train does: the multicard cell's
+    out_dir holds metrics.jsonl and both trackers' runs, with the same steps."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "bench"
+    result = cli(
+        "bench", "--runners", "multicard", "--strategies", "single", "--world-sizes", "1", "--warmup", "1",
+        "--steps", "4", "--logging", "--out", str(out), "model.name=smallcnn", "log_every=2", "log.mlflow=true",
+        "log.wandb=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads((out / "bench.json").read_text())
+    assert row["status"] == "ok" and row["step_ms"]["median"] > 0
+    (cell,) = (out / "work").glob("cell-*")
+    steps = [r["step"] for r in jsonl(cell, "step")]
+    assert steps == [2, 4]
+    state = json.loads((cell / TRACKERS_FILE).read_text())
+    assert state["mlflow"]["step"] == state["wandb"]["step"] == steps[-1]
+    client = MlflowClient(tracking_uri=state["mlflow"]["uri"])
+    history = client.get_metric_history(state["mlflow"]["run_id"], "train/loss")
+    assert sorted(m.step for m in history) == steps

@@ -33,8 +33,8 @@ from multicard.config import load_config
 from multicard.data import build_data
 from multicard.data.decode import read_image
 from multicard.data.gpu_decode import GpuDecode
-from multicard.data.jpeg_plan import JpegPlan, collate_encoded
-from multicard.data.sampling import BatchPlan
+from multicard.data.jpeg_crop import JpegTransform, collate_encoded
+from multicard.data.sampling import BatchSplit
 from multicard.data.transforms import RandomResizedCropFlip
 from multicard.process_group import ProcessContext
 
@@ -49,7 +49,7 @@ def loader_img_per_s(root: Path, decode: str, batch: int, workers: int, seconds:
         "data.std=[0.229,0.224,0.225]",
     ])  # fmt: skip
     ctx = ProcessContext(0, 0, 1, 1, device, distributed=False)
-    data = build_data(cfg.data, cfg.seed, BatchPlan(batch, 1, 1), ctx)
+    data = build_data(cfg.data, cfg.seed, BatchSplit(batch, 1, 1), ctx)
     images, timed, epoch = 0, 0.0, 0
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -77,7 +77,7 @@ def loader_img_per_s(root: Path, decode: str, batch: int, workers: int, seconds:
 def gpu_side(files: list[Path], batch: int, device) -> dict:
     """nvjpeg + crops of one planned batch (ms, median of 5), and its pixels against the CPU path's."""
     transform = RandomResizedCropFlip(IMAGE_SIZE, (0.08, 1.0), flip=True, seed=0)
-    plan = JpegPlan(transform)
+    plan = JpegTransform(transform)
     paths = files[:batch]
     items = [(plan(read_image(p), 0, i), torch.tensor(0), i) for i, p in enumerate(paths)]
     encoded, _, _ = collate_encoded(items)

@@ -200,7 +200,7 @@ def workers_jpeg_pinned(out: Path) -> dict:
 
     from multicard.config import load_config
     from multicard.data import build_data
-    from multicard.data.sampling import BatchPlan
+    from multicard.data.sampling import BatchSplit
     from multicard.process_group import ProcessContext
 
     folder = jpeg_folder(out)
@@ -210,7 +210,7 @@ def workers_jpeg_pinned(out: Path) -> dict:
         return _trained(run)
     cfg = load_config(None, [*JPEG, f"data.root={folder}"])
     device = torch.device("cuda", 0)
-    data = build_data(cfg.data, cfg.seed, BatchPlan(64, 1, 1), ProcessContext(0, 0, 1, 1, device, distributed=False))
+    data = build_data(cfg.data, cfg.seed, BatchSplit(64, 1, 1), ProcessContext(0, 0, 1, 1, device, distributed=False))
     try:
         data.train.set_epoch(0)
         x, _ = next(iter(data.train))

@@ -31,7 +31,7 @@ from train_run import train
 
 from multicard.config import load_config
 from multicard.data import build_data
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.models import build_model
 from multicard.plan.hardware import peak_bf16
 from multicard.process_group import ProcessContext
@@ -71,7 +71,7 @@ def flops_per_image(cfg, device: torch.device, batch: int = 8) -> float:
 def loader_ms_per_batch(cfg, device: torch.device, batches: int) -> float:
     """Time the device loader alone: `batches` training batches between two synchronisations."""
     ctx = ProcessContext(0, 0, 1, 1, device, distributed=False)
-    data = build_data(cfg.data, cfg.seed, BatchPlan(cfg.train.global_batch_size, 1, 1), ctx)
+    data = build_data(cfg.data, cfg.seed, BatchSplit(cfg.train.global_batch_size, 1, 1), ctx)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     try:
         data.train.set_epoch(0)

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from multicard import __version__
-from multicard.checkpoint import check_resume_settings
-from multicard.config import load_config, parse_devices, to_dict
+from multicard.config import load_config, parse_devices
 from multicard.errors import ExitCode, MulticardError, Stopped, UserError
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
-from multicard.plan.arguments import add_plan_parser
-from multicard.preflight import check_extras, check_output_folder, prepare_out_dir
+from multicard.plan.arguments import add_plan_parser, plan_options
+from multicard.preflight import check_output_folder, check_run, prepare_out_dir
 from multicard.process_group import (
     ProcessEnv,
     communication_failure,
@@ -75,28 +74,7 @@ def _command(sub: argparse._SubParsersAction, name: str, summary: str, config: s
     return p
 
 
-def build_parser() -> _Parser:
-    parser = _Parser(prog="multicard", description="Train image classifiers on one device, DP or DDP.")
-    parser.add_argument("--version", action="version", version=f"multicard {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    parser.commands = sub.choices
-
-    t = _command(sub, "train", "train a model", "YAML config file", "train.epochs=5")
-    _add_launch_flags(t)
-
-    e = _command(sub, "eval", "evaluate a checkpoint exactly", None, "data.val_size=1000")
-    e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
-    e.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    _add_launch_flags(e)
-
-    x = _command(sub, "export", "write a checkpoint's model as a plain state dict file", None, "")
-    x.add_argument("--checkpoint", required=True, help="checkpoint file or sharded checkpoint directory")
-    x.add_argument("--out", required=True, help="the state dict file to write, e.g. model.pt")
-
-    r = _command(sub, "report", "pictures and a summary of runs, from their metrics.jsonl", None, "")
-    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of each run (several are overlaid)")
-    r.add_argument("--out", default="report.png", help="the PNG to write (default report.png)")
-
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = _command(
         sub, "bench", "throughput of each runner, strategy, world size and precision side by side",
         "YAML config file (default workload: resnet18, 32×32 on the device, batch 64)", "precision=bf16",
@@ -117,21 +95,71 @@ def build_parser() -> _Parser:
     b.add_argument("--steps", type=int, default=30, help="timed steps per cell (default 30)")
     b.add_argument("--repeats", type=int, default=1, help="runs of every cell, alternating (default 1)")
     b.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.png)")
+    b.add_argument(
+        "--logging", action="store_true",
+        help="multicard's cells log as train does: metrics.jsonl, TensorBoard and the trackers the config turns on",
+    )  # fmt: skip
 
-    add_plan_parser(sub)
 
+def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
     v = _command(
         sub, "verify", "check on this machine that N-process DDP trains like one process and resumes exactly",
         "YAML config file", "model.name=smallcnn",
     )  # fmt: skip
-    v.add_argument("--nproc-per-node", type=int, default=2, help="processes of the DDP run (default 2)")
-    v.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default 4)")
     v.add_argument(
         "--break", dest="faults", action="append", default=[], choices=FAULTS,
         help="break the setup (no-set-epoch, rank-seed) or its checkpoints (rng, data-position) on purpose; repeatable",
     )  # fmt: skip
+    v.add_argument("--nproc-per-node", type=int, default=2, help="processes of the DDP run (default 2)")
+    v.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default 4)")
     v.add_argument("--checks", default=",".join(CHECKS), help=f"which checks to run (default {','.join(CHECKS)})")
     v.add_argument("--keep", help="keep the runs' files in this directory")
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(prog="multicard", description="Train image classifiers on one device, DP or DDP.")
+    parser.add_argument("--version", action="version", version=f"multicard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.commands = sub.choices
+
+    t = _command(sub, "train", "train a model", "YAML config file", "train.epochs=5")
+    _add_launch_flags(t)
+
+    e = _command(sub, "eval", "evaluate a checkpoint exactly", None, "data.val_size=1000")
+    e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
+    e.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    e.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA of the weights (ema.decay)")
+    _add_launch_flags(e)
+
+    x = _command(sub, "export", "write a checkpoint's model as a plain state dict file", None, "")
+    x.add_argument("--checkpoint", required=True, help="checkpoint file or sharded checkpoint directory")
+    x.add_argument("--out", required=True, help="the state dict file to write, e.g. model.pt")
+    x.add_argument("--ema", action="store_true", help="write the checkpoint's EMA of the weights (ema.decay)")
+
+    r = _command(sub, "report", "pictures and a summary of runs, from their metrics.jsonl", None, "")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of each run (several are overlaid)")
+    r.add_argument("--out", default="report.png", help="the PNG to write (default report.png)")
+
+    _add_bench_parser(sub)
+    add_plan_parser(sub)
+
+    k = _command(
+        sub, "pack", "pack a dataset into shards (tar in WebDataset's layout + an index) for shared storage",
+        "YAML config file (its data section names the dataset)", "data.name=imagefolder data.root=DIR",
+    )  # fmt: skip
+    k.add_argument("--out", help="the folder to pack into (new or empty; an unfinished pack there is continued)")
+    k.add_argument("--shard-mb", type=float, default=256.0, help="size of one shard in MiB (default 256)")
+    k.add_argument("--workers", type=int, default=0, help="packing processes (default 0: every core)")
+    k.add_argument("--verify", metavar="DIR", help="check a packed folder instead: sizes, checksums, members, labels")
+
+    i = _command(
+        sub, "input-split", "where input time goes per rank: storage reads, decoding, augmentation, copy to the device",
+        "YAML config file", "data.name=shards data.root=DIR",
+    )  # fmt: skip
+    i.add_argument("--world-size", type=int, default=1, help="ranks whose batches to measure (default 1)")
+    i.add_argument("--batches", type=int, default=4, help="micro-batches measured per rank (default 4)")
+
+    _add_verify_parser(sub)
     return parser
 
 
@@ -180,6 +208,7 @@ def _bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         out=args.out,
+        logging=args.logging,
     )
     rows = bench(options)
     return ExitCode.OK if all(r["status"] != "failed" for r in rows) else ExitCode.INTERNAL
@@ -219,12 +248,7 @@ def _train(args: argparse.Namespace) -> int:
     topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
     if not topology.gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
-    if topology.strategy == "fsdp":
-        from multicard.strategy.fsdp_units import check_units  # the strategies' package loads torch's sharding stack
-
-        check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
-    check_extras(cfg)
-    check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))
+    check_run(cfg)
     fresh = not Path(cfg.out_dir).exists()
     out_dir = prepare_out_dir(cfg.out_dir)
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
@@ -243,11 +267,12 @@ def _eval(args: argparse.Namespace) -> int:
     env = detect_env()
     options = _launch_options(args, env)
     if options is None:
-        commands.evaluate_checkpoint(args.checkpoint, args.overrides, env, args.json)
+        commands.evaluate_checkpoint(args.checkpoint, args.overrides, env, args.json, args.ema)
         return ExitCode.OK
     if not commands.check_eval(args.checkpoint, args.overrides, options.world_size, options.nproc_per_node).gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
-    worker_argv = ["eval", "--checkpoint", args.checkpoint, *(["--json"] if args.json else []), *args.overrides]
+    flags = [*(["--json"] if args.json else []), *(["--ema"] if args.ema else [])]
+    worker_argv = ["eval", "--checkpoint", args.checkpoint, *flags, *args.overrides]
     return launch_workers(options, worker_argv)
 
 
@@ -262,10 +287,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)  # --help, --version, or an unknown command: argparse says so
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from multicard.plan.cli import run_plan  # tracing and planning: loaded only for this command
+def _pack(args: argparse.Namespace) -> int:
+    from multicard.pack import run_pack
 
-    return run_plan(args)
+    print(run_pack(args.config, args.overrides, args.out, args.verify, args.shard_mb, args.workers))
+    return ExitCode.OK
+
+
+def _input_split(args: argparse.Namespace) -> int:
+    from multicard.input_split import run_input_split
+
+    print("\n".join(run_input_split(args.config, args.overrides, args.world_size, args.batches)))
+    return ExitCode.OK
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from multicard.plan.command import run_plan  # tracing and planning: loaded only for this command
+
+    options = plan_options(args)
+    if detect_env().launched:
+        raise UserError("multicard plan starts its own processes; run it without torchrun or srun")
+    if options.plans:
+        check_output_folder(options.out, "--out")
+    return run_plan(options)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -278,7 +322,7 @@ def _report(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from multicard import commands
 
-    commands.export(args.checkpoint, args.out)
+    commands.export(args.checkpoint, args.out, args.ema)
     return ExitCode.OK
 
 
@@ -288,20 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands_by_name = {
             "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
-            "plan": _plan,
+            "plan": _plan, "pack": _pack, "input-split": _input_split,
         }  # fmt: skip
         if args.command == "train" and not detect_env().launched:
             with BeforeTraining():  # a stop signal in start-up is one line too (a worker's launcher says it)
                 return _train(args)
         return commands_by_name[args.command](args)
     except Stopped as exc:
-        if detect_env().rank == 0:  # every rank stopped alike; one line is enough
+        if detect_env().is_main:  # every rank stopped alike; one line is enough
             print(f"multicard: {exc}", file=sys.stderr)
         return exc.exit_code
     except MulticardError as exc:
         env = detect_env()
         where = f" (rank {env.rank})" if env.world_size > 1 else ""
-        if env.rank == 0 or not getattr(exc, "agreed", False):  # an error every rank met: rank 0 says it
+        if env.is_main or not getattr(exc, "agreed", False):  # an error every rank met: rank 0 says it
             say_line(f"multicard: error{where}: {exc}")
         if env.launched and env.world_size > 1:
             # End now, before interpreter shutdown closes this rank's connections: a peer that

@@ -13,7 +13,7 @@ from multicard.checkpoint.compat import check_classes
 from multicard.config import Config, config_from_dict, to_yaml
 from multicard.data import build_data
 from multicard.errors import UserError
-from multicard.preflight import check_extras, prepare_out_dir
+from multicard.preflight import check_run, prepare_out_dir
 from multicard.process_group import ProcessEnv, teardown
 from multicard.run_lock import RunLock
 from multicard.session import open_session, seeded_model, start_process
@@ -25,11 +25,12 @@ from multicard.trainer import Callback, EvalResult, evaluate
 
 def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:
     """Train in this process (one rank of a DDP job, or the whole single/dp job)."""
-    check_extras(cfg)
+    if env.launcher_pid is None:  # else multicard's launcher has made them
+        check_run(cfg)
     fresh = not Path(cfg.out_dir).exists()
     out_dir = prepare_out_dir(cfg.out_dir)
     with RunLock(out_dir, made_out_dir=fresh) as lock:
-        if env.launcher_pid is None and env.rank == 0:  # else multicard's launcher holds it
+        if env.launcher_pid is None and env.is_main:  # else multicard's launcher holds it
             lock.acquire(print)
         try:
             return _train_in(out_dir, cfg, env)
@@ -40,7 +41,7 @@ def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:
 
 def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
     with open_session(cfg, env) as s:
-        trainer, plan = s.trainer, s.plan
+        trainer, split = s.trainer, s.batch_split
         reporter = Reporter(s.ctx.is_main)
         checkpointer = Checkpointer(out_dir / "checkpoints", s.strategy, cfg.checkpoint, s.run, reporter.print)
         try:
@@ -51,8 +52,8 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
             reporter.print(
                 f"multicard: strategy={s.strategy.name} world_size={s.ctx.world_size} device={s.ctx.device.type} "
                 f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={s.data.loader} "
-                f"global_batch={plan.global_batch} "
-                f"(micro-batch {plan.micro_batch} × {s.ctx.world_size} process(es) × {plan.grad_accum} accum)"
+                f"global_batch={split.global_batch} "
+                f"(micro-batch {split.micro_batch} × {s.ctx.world_size} process(es) × {split.grad_accum} accum)"
             )
             if state is None:
                 for note in s.notes:
@@ -70,13 +71,8 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
                 )
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None
-            callbacks: list[Callback] = [checkpointer, TrainingLog(reporter, cfg.data)]
             resumed_at = state["step"] if state is not None else None
-            if cfg.log.tensorboard:
-                callbacks.append(TensorBoardLog(out_dir / "tensorboard", s.ctx.is_main, resumed_at))
-            if cfg.log.mlflow or cfg.log.wandb:
-                callbacks.append(TrackerLog(cfg, out_dir, s.ctx.is_main, resumed_at))
-            result = trainer.fit(callbacks)
+            result = trainer.fit([checkpointer, *run_logs(cfg, out_dir, reporter, s.ctx.is_main, resumed_at)])
             if result is not None:
                 reporter.print(
                     f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "
@@ -85,6 +81,17 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
             return result
         finally:
             reporter.close()
+
+
+def run_logs(cfg: Config, out_dir: Path, reporter: Reporter, is_main: bool, resumed_at: int | None) -> list[Callback]:
+    """Every logging callback of a training run (console and metrics.jsonl, TensorBoard, trackers),
+    as train attaches them and `multicard bench --logging` times them."""
+    logs: list[Callback] = [TrainingLog(reporter, cfg.data)]
+    if cfg.log.tensorboard:
+        logs.append(TensorBoardLog(out_dir / "tensorboard", is_main, resumed_at))
+    if cfg.log.mlflow or cfg.log.wandb:
+        logs.append(TrackerLog(cfg, out_dir, is_main, resumed_at))
+    return logs
 
 
 def eval_config(state: dict[str, Any], overrides: list[str]) -> Config:
@@ -99,9 +106,22 @@ def check_eval(path: str, overrides: list[str], world_size: int, per_node: int) 
     return resolve(cfg, world_size, per_node, launched=True, training=False)
 
 
-def evaluate_checkpoint(path: str, overrides: list[str], env: ProcessEnv, as_json: bool) -> EvalResult:
-    """Exact evaluation of a checkpoint on the configured validation data, any world size."""
+def weights_of(state: dict[str, Any], path: str, ema: bool) -> dict[str, Any]:
+    """The model's weights of a checkpoint, or with `ema` those of its EMA (ema.decay)."""
+    if not ema:
+        return state["model"]
+    if "ema" not in state:
+        raise UserError(f"checkpoint {path} holds no EMA of the weights (its run had ema.decay=0); drop --ema")
+    return {**state["model"], **state["ema"]}  # the EMA covers floating-point tensors; counters are the model's
+
+
+def evaluate_checkpoint(
+    path: str, overrides: list[str], env: ProcessEnv, as_json: bool, ema: bool = False
+) -> EvalResult:
+    """Exact evaluation of a checkpoint (its weights' EMA with `ema`) on the configured validation
+    data, any world size."""
     state = read_checkpoint(Path(path))
+    weights = weights_of(state, path, ema)
     cfg = eval_config(state, overrides)
     topology = resolve(cfg, env.world_size, env.local_world_size, env.launched, training=False)
     ctx, strategy = start_process(cfg, env, topology)
@@ -114,8 +134,8 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: ProcessEnv, as_jso
             # Into the run's dtype first (float64 weights loaded into a float32 model would be rounded).
             # Eager even when the config says compile: one pass over the data would not repay compiling.
             model = model.to(ctx.device, dtype=strategy.precision.param_dtype)
-            model.load_state_dict(state["model"])
-            result = evaluate(model, data.val, strategy)
+            model.load_state_dict(weights)
+            result = evaluate(model, data.val, strategy, flip=cfg.eval_flip)
         finally:
             data.close()
         if ctx.is_main:
@@ -131,18 +151,19 @@ def evaluate_checkpoint(path: str, overrides: list[str], env: ProcessEnv, as_jso
         teardown()
 
 
-def export(path: str, out: str) -> Path:
-    """Write a checkpoint's model (any format) as a plain state dict: whole tensors, no prefixes,
-    loadable with `model.load_state_dict(torch.load(out))`."""
+def export(path: str, out: str, ema: bool = False) -> Path:
+    """Write a checkpoint's model (any format; its weights' EMA with `ema`) as a plain state dict:
+    whole tensors, no prefixes, loadable with `model.load_state_dict(torch.load(out))`."""
     state = read_checkpoint(Path(path))
+    weights = weights_of(state, path, ema)
     target = Path(out).expanduser()
     if target.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name, e.g. {out}/model.pt")
-    model = {k: v.contiguous() for k, v in state["model"].items()}
+    model = {k: v.contiguous() for k, v in weights.items()}
     save_atomic(model, target)
     size = sum(v.numel() * v.element_size() for v in model.values())
     print(
         f"wrote {target}: {len(model)} tensors, {size / 2**20:.1f} MiB, model.name={state['config']['model']['name']} "
-        f"at step {state['step']}"
+        f"at step {state['step']}" + (" (the weights' EMA)" if ema else "")
     )
     return target

@@ -21,9 +21,9 @@ from multicard.errors import UserError
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("cosine", "step", "constant")
+SCHEDULES = ("cosine", "linear", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
-DATASETS = ("synthetic", "cifar10", "imagefolder", "hf")  # or package.module:function (multicard.data.user)
+DATASETS = ("synthetic", "cifar10", "imagefolder", "shards", "hf")  # or package.module:function (multicard.data.user)
 LOADERS = ("auto", "device", "workers")
 DECODERS = ("cpu", "gpu", "auto")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -32,11 +32,16 @@ CHECKPOINT_FORMATS = ("auto", "file", "sharded")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MAX_THREADS = 256  # per process; beyond this torch itself fails (and no node has that many cores per process)
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 4096
+SMALL_IMAGE_MAX = 64  # images up to this side use the small-image recipe (crop with padding, data/transforms.py)
+POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")  # data.policy
+MAX_POLICY_OPS, MAX_POLICY_MAGNITUDE = 14, 30  # RandAugment's op count and magnitude bins
+MIX_MODES = ("batch", "pair", "elem")  # mix.mode
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder | hf (a Hugging Face dataset at data.root:
+    # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder | shards (a folder `multicard pack` wrote,
+    # data/shards.py) | hf (a Hugging Face dataset at data.root:
     # save_to_disk or parquet files) | package.module:function (your own dataset function; README, Your own data)
     name: str = "synthetic"
     kwargs: dict[str, Any] = field(default_factory=dict)  # package.module:function: its keyword arguments
@@ -44,7 +49,11 @@ class DataConfig:
     hf_label: str = "label"  # hf: the label column (integers; class names from its ClassLabel feature)
     hf_train_split: str = "train"  # hf: the training split
     hf_val_split: str | None = None  # hf: None = validation, else test, else a seeded data.val_fraction of train
-    root: str | None = None  # dataset directory (cifar10, imagefolder)
+    root: str | None = None  # dataset directory (cifar10, imagefolder, shards)
+    reads_in_flight: int = 8  # shards: reads of a batch kept in flight per loader process (shared storage)
+    # global: a full shuffle each epoch | local (opt-in): shuffled runs of 64 samples stored together, shuffled
+    # within windows of 16 runs, so a batch reads few runs of a shard (docs/data.md; its shuffle quality is measured)
+    order: str = "global"
     download: bool = False  # cifar10: fetch it into root through torchvision when missing
     val_root: str | None = None  # evaluate on this directory of class folders instead
     val_fraction: float = 0.1  # imagefolder without val/: seeded share of train/ held out
@@ -56,11 +65,29 @@ class DataConfig:
     num_workers: int = -1  # workers loader: processes per rank; -1 = cores per rank, at most 8; capped to those cores
     cache_dir: str | None = None  # device loader's decoded-image cache; default ~/.cache/multicard
     image_size: int = 32  # side of training images (generated, decoded or cropped)
-    eval_resize: int = 0  # large images: resize before the centre crop; 0 = image_size × 8/7
+    eval_resize: int = 0  # large images: resize before the centre crop; 0 = eval_size × 8/7
+    eval_size: int = 0  # large images: side of the evaluation crop; 0 = image_size (recipes train smaller)
     train_size: int = 20000  # synthetic: number of training images
     val_size: int = 5000  # synthetic: number of validation images
     num_classes: int = 10  # synthetic: 2..10 (other datasets: the number of class folders)
     augment: bool = True  # small images: random crop with padding + flip; large: random resized crop + flip
+    # Per-sample policy after the crop and flip (torchvision's, drawn per seed, epoch and sample; data/policies.py):
+    # none | trivialaugment | randaugment (policy_ops, policy_magnitude) | autoaugment (ImageNet policy)
+    policy: str = "none"
+    policy_ops: int = 2  # randaugment: ops per image
+    policy_magnitude: int = 9  # randaugment: 0..30
+    color_jitter: float = 0.0  # brightness, contrast and saturation by up to ± this fraction; 0 = off
+    random_erasing: float = 0.0  # probability of erasing one rectangle of a training image; 0 = off
+    # Repeated augmentation: an epoch holds 1/repeats of the samples, each `repeats` times with different
+    # augmentations, its copies spread over the global batch (and so over ranks); 1 = off
+    repeats: int = 1
+    # Progressive resizing (data/progressive.py): training images of this side until progressive_start_epoch,
+    # growing to image_size by progressive_end_epoch in steps of progressive_multiple; 0 = off
+    progressive_min_size: int = 0
+    progressive_start_epoch: int = 0
+    progressive_end_epoch: int = 0
+    progressive_multiple: int = 32
+    progressive_recompile: bool = False  # let compile's CUDA-graph modes re-record for every training size
     crop_padding: int = 4
     crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # large images: area range
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
@@ -89,6 +116,27 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MixConfig:
+    """Mixup and CutMix of training batches, on the device (data/mixing.py); both alphas 0 = off."""
+
+    mixup_alpha: float = 0.0  # λ ~ Beta(alpha, alpha); timm's recipes use 0.8 (0.2 for ResNets)
+    cutmix_alpha: float = 0.0  # the same for CutMix's box; 1.0 in timm's recipes
+    prob: float = 1.0  # probability that a batch / pair / sample is mixed at all
+    switch_prob: float = 0.5  # with both alphas > 0: probability of CutMix rather than mixup
+    mode: str = "batch"  # batch (one draw per global batch) | pair | elem (one per sample)
+
+
+@dataclass(frozen=True)
+class EMAConfig:
+    """An exponential moving average of the weights (ema.py), validated beside the model and kept in
+    checkpoints; `multicard eval --ema` and `multicard export --ema` use it."""
+
+    decay: float = 0.0  # weight of the old average at each update; 0 = off
+    every: int = 1  # optimizer steps between updates
+    start_epoch: float = 0.0  # until then an update copies the model (torchvision's recipes: the warm-up)
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     name: str = "sgd"
     lr: float = 0.1  # peak learning rate at base_batch_size (see lr_scaling)
@@ -104,9 +152,11 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class SchedConfig:
-    name: str = "cosine"
+    name: str = "cosine"  # cosine | linear (to final_lr_ratio) | step | constant, after the warm-up
     warmup_epochs: float = 0.0  # linear warm-up from 0, counted in (fractional) epochs
-    final_lr_ratio: float = 0.0  # cosine: last lr as a fraction of the peak
+    warmup_start: float = 0.0  # the warm-up's first lr as a fraction of the peak (torchvision's recipes: 0.01)
+    per_epoch: bool = False  # the lr changes once an epoch (torchvision's reference scripts), not every step
+    final_lr_ratio: float = 0.0  # cosine, linear: last lr as a fraction of the peak
     step_epochs: int = 30  # step: decay every this many epochs
     gamma: float = 0.1  # step: decay factor
 
@@ -205,20 +255,23 @@ class Config:
     compile: bool = False  # torch.compile the model before the strategy wraps it; the first steps pay compilation
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     cudnn_benchmark: bool = False  # CUDA: cuDNN picks the fastest conv algorithms by timing (not bitwise reproducible)
-    clip_grad_norm: float = 0.0  # max global gradient norm; 0 = off
-    log_every: int = 50  # optimizer steps between step records (and host syncs)
-    threads: int = 0  # CPU threads per process; 0 = cores / local processes
-    dist_timeout_s: int = 300  # collective timeout: a stuck rank ends the job after this
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    eval_flip: bool = False  # evaluation averages the logits of each image and of its mirror image (test-time flip)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    clip_grad_norm: float = 0.0  # max global gradient norm; 0 = off
     sched: SchedConfig = field(default_factory=SchedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    threads: int = 0  # CPU threads per process; 0 = cores / local processes
+    dist_timeout_s: int = 300  # collective timeout: a stuck rank ends the job after this
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     net: NetConfig = field(default_factory=NetConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    log_every: int = 50  # optimizer steps between step records (and host syncs)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -359,33 +412,24 @@ def validate(cfg: Config) -> None:
     _choice(cfg.optim.name, "optim.name", OPTIMIZERS)
     _choice(cfg.optim.lr_scaling, "optim.lr_scaling", LR_SCALING)
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
-    if ":" not in cfg.data.name and cfg.data.name not in DATASETS:  # a function is checked when it is imported
-        raise UserError(f"data.name={cfg.data.name} is not one of {', '.join(DATASETS)}, or package.module:function")
-    _choice(cfg.data.loader, "data.loader", LOADERS)
-    _choice(cfg.data.decode, "data.decode", DECODERS)
+    check_data(cfg.data)
+    check_mix(cfg.mix)
+    if cfg.train.global_batch_size % cfg.data.repeats:
+        raise UserError(
+            f"data.repeats={cfg.data.repeats} copies of each sample share a global batch: make "
+            f"train.global_batch_size={cfg.train.global_batch_size} a multiple of it"
+        )
+    _within(cfg.ema.decay, "ema.decay", 0, 1)
+    _positive(cfg.ema.every, "ema.every")
+    _positive(cfg.ema.start_epoch, "ema.start_epoch", zero_ok=True)
+    check_schedule(cfg.sched)
+    check_progressive_compile(cfg)
     _choice(cfg.debug.on_stall, "debug.on_stall", ("report", "abort"))
     _choice(cfg.log.wandb_mode, "log.wandb_mode", ("auto", "offline", "online"))
     _choice(cfg.log.on_tracker_error, "log.on_tracker_error", ("warn", "fail"))
     stall_seconds(cfg.debug)
-    _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
-    _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
-    _choice(cfg.fsdp.cpu_release_memory.lower(), "fsdp.cpu_release_memory", ("auto", "true", "false"))
-    _choice(cfg.checkpoint.format, "checkpoint.format", CHECKPOINT_FORMATS)
-    _positive(cfg.fsdp.min_unit_params, "fsdp.min_unit_params")
-    _positive(cfg.ddp.bucket_cap_mb, "ddp.bucket_cap_mb")
-    _positive(cfg.ddp.powersgd_rank, "ddp.powersgd_rank")
-    if cfg.ddp.powersgd_start_step < 2:
-        raise UserError(f"ddp.powersgd_start_step={cfg.ddp.powersgd_start_step} must be >= 2 (error feedback needs it)")
+    check_parallel(cfg)
     _choice(cfg.compile_mode, "compile_mode", COMPILE_MODES)
-    if cfg.data.name in ("cifar10", "imagefolder", "hf") and not cfg.data.root:
-        raise UserError(f"data.name={cfg.data.name} reads files: set data.root=DIR")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
-    if cfg.data.num_workers < -1:
-        raise UserError(f"data.num_workers={cfg.data.num_workers} must be -1 (auto) or >= 0")
-    lo, hi = cfg.data.crop_scale if len(cfg.data.crop_scale) == 2 else (0, 0)
-    if not 0 < lo <= hi <= 1:
-        raise UserError("data.crop_scale needs 2 values with 0 < min <= max <= 1, e.g. [0.08,1.0]")
     parse_devices(cfg.devices)
     _positive(cfg.train.global_batch_size, "train.global_batch_size")
     _positive(cfg.train.grad_accum, "train.grad_accum")
@@ -393,9 +437,7 @@ def validate(cfg: Config) -> None:
     _positive(cfg.train.max_steps, "train.max_steps", zero_ok=True)
     if not 0 <= cfg.train.label_smoothing < 1:
         raise UserError(f"train.label_smoothing={cfg.train.label_smoothing} must be in [0, 1)")
-    _positive(cfg.optim.lr, "optim.lr")
-    _positive(cfg.optim.base_batch_size, "optim.base_batch_size")
-    _positive(cfg.optim.weight_decay, "optim.weight_decay", zero_ok=True)
+    check_optim(cfg.optim)
     _positive(cfg.sched.warmup_epochs, "sched.warmup_epochs", zero_ok=True)
     _positive(cfg.sched.step_epochs, "sched.step_epochs")
     _positive(cfg.clip_grad_norm, "clip_grad_norm", zero_ok=True)
@@ -405,25 +447,118 @@ def validate(cfg: Config) -> None:
     _positive(cfg.checkpoint.stop_timeout_s, "checkpoint.stop_timeout_s")
     _within(cfg.threads, "threads", 0, MAX_THREADS, hi_open=False)
     _positive(cfg.seed, "seed", zero_ok=True)
-    _within(cfg.optim.momentum, "optim.momentum", 0, 1)
-    for i, beta in enumerate(cfg.optim.betas):
-        _within(beta, f"optim.betas[{i}]", 0, 1)
     _positive(cfg.dist_timeout_s, "dist_timeout_s")
-    _within(cfg.data.image_size, "data.image_size", MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hi_open=False)
-    _positive(cfg.data.train_size, "data.train_size")
-    _positive(cfg.data.val_size, "data.val_size")
-    _positive(cfg.data.eval_batch_size, "data.eval_batch_size")
-    _positive(cfg.data.crop_padding, "data.crop_padding", zero_ok=True)
-    _positive(cfg.data.eval_resize, "data.eval_resize", zero_ok=True)
-    if len(cfg.data.mean) != 3 or len(cfg.data.std) != 3 or min(cfg.data.std) <= 0:
-        raise UserError("data.mean and data.std need 3 values each, std > 0")
-    if len(cfg.optim.betas) != 2:
-        raise UserError("optim.betas needs 2 values, e.g. optim.betas=[0.9,0.999]")
     if cfg.train.global_batch_size % cfg.train.grad_accum:
         raise UserError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
             f"train.grad_accum={cfg.train.grad_accum}; change one of them"
         )
+
+
+def check_parallel(cfg: Config) -> None:
+    """The ddp, fsdp and checkpoint sections' choices and ranges (their fit with the strategy: topology)."""
+    _choice(cfg.ddp.comm_hook, "ddp.comm_hook", COMM_HOOKS)
+    _choice(cfg.fsdp.replicate, "fsdp.replicate", REPLICATE)
+    _choice(cfg.fsdp.cpu_release_memory.lower(), "fsdp.cpu_release_memory", ("auto", "true", "false"))
+    _choice(cfg.checkpoint.format, "checkpoint.format", CHECKPOINT_FORMATS)
+    _positive(cfg.fsdp.min_unit_params, "fsdp.min_unit_params")
+    _positive(cfg.ddp.bucket_cap_mb, "ddp.bucket_cap_mb")
+    _positive(cfg.ddp.powersgd_rank, "ddp.powersgd_rank")
+    if cfg.ddp.powersgd_start_step < 2:
+        raise UserError(f"ddp.powersgd_start_step={cfg.ddp.powersgd_start_step} must be >= 2 (error feedback needs it)")
+
+
+def check_optim(o: OptimConfig) -> None:
+    """The optim section's ranges."""
+    _positive(o.lr, "optim.lr")
+    _positive(o.base_batch_size, "optim.base_batch_size")
+    _positive(o.weight_decay, "optim.weight_decay", zero_ok=True)
+    _within(o.momentum, "optim.momentum", 0, 1)
+    for i, beta in enumerate(o.betas):
+        _within(beta, f"optim.betas[{i}]", 0, 1)
+    if len(o.betas) != 2:
+        raise UserError("optim.betas needs 2 values, e.g. optim.betas=[0.9,0.999]")
+
+
+def check_data(d: DataConfig) -> None:
+    """Range and choice checks of the data section."""
+    if ":" not in d.name and d.name not in DATASETS:  # a function is checked when it is imported
+        raise UserError(f"data.name={d.name} is not one of {', '.join(DATASETS)}, or package.module:function")
+    _choice(d.loader, "data.loader", LOADERS)
+    _choice(d.decode, "data.decode", DECODERS)
+    if d.name in ("cifar10", "imagefolder", "shards", "hf") and not d.root:
+        raise UserError(f"data.name={d.name} reads files: set data.root=DIR")
+    if not 0 < d.val_fraction < 1:
+        raise UserError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
+    _positive(d.reads_in_flight, "data.reads_in_flight")
+    _choice(d.order, "data.order", ("global", "local"))
+    if d.num_workers < -1:
+        raise UserError(f"data.num_workers={d.num_workers} must be -1 (auto) or >= 0")
+    lo, hi = d.crop_scale if len(d.crop_scale) == 2 else (0, 0)
+    if not 0 < lo <= hi <= 1:
+        raise UserError("data.crop_scale needs 2 values with 0 < min <= max <= 1, e.g. [0.08,1.0]")
+    _within(d.image_size, "data.image_size", MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hi_open=False)
+    _positive(d.train_size, "data.train_size")
+    _positive(d.val_size, "data.val_size")
+    _positive(d.eval_batch_size, "data.eval_batch_size")
+    _positive(d.crop_padding, "data.crop_padding", zero_ok=True)
+    _positive(d.eval_resize, "data.eval_resize", zero_ok=True)
+    if len(d.mean) != 3 or len(d.std) != 3 or min(d.std) <= 0:
+        raise UserError("data.mean and data.std need 3 values each, std > 0")
+    check_augmentation(d)
+    _positive(d.repeats, "data.repeats")
+    if d.eval_size:
+        _within(d.eval_size, "data.eval_size", MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hi_open=False)
+        if d.image_size <= SMALL_IMAGE_MAX or d.eval_size <= SMALL_IMAGE_MAX:
+            raise UserError(
+                f"data.eval_size={d.eval_size} applies to images larger than {SMALL_IMAGE_MAX} px (small images are "
+                f"evaluated at data.image_size={d.image_size}); set data.eval_size=0"
+            )
+
+
+def check_schedule(s: SchedConfig) -> None:
+    """The warm-up's start and the schedule's floor, as fractions of the peak lr."""
+    _within(s.warmup_start, "sched.warmup_start", 0, 1)
+    _within(s.final_lr_ratio, "sched.final_lr_ratio", 0, 1, hi_open=False)
+
+
+def check_mix(m: MixConfig) -> None:
+    """Mixup and CutMix options."""
+    _positive(m.mixup_alpha, "mix.mixup_alpha", zero_ok=True)
+    _positive(m.cutmix_alpha, "mix.cutmix_alpha", zero_ok=True)
+    _within(m.prob, "mix.prob", 0, 1, hi_open=False)
+    _within(m.switch_prob, "mix.switch_prob", 0, 1, hi_open=False)
+    _choice(m.mode, "mix.mode", MIX_MODES)
+
+
+def check_augmentation(d: DataConfig) -> None:
+    """The per-sample policy options of the data section."""
+    _choice(d.policy, "data.policy", POLICIES)
+    _within(d.policy_ops, "data.policy_ops", 1, MAX_POLICY_OPS, hi_open=False)
+    _within(d.policy_magnitude, "data.policy_magnitude", 0, MAX_POLICY_MAGNITUDE, hi_open=False)
+    _within(d.color_jitter, "data.color_jitter", 0, 1)
+    _within(d.random_erasing, "data.random_erasing", 0, 1, hi_open=False)
+    if d.progressive_min_size:
+        _within(d.progressive_min_size, "data.progressive_min_size", MIN_IMAGE_SIZE, d.image_size, hi_open=False)
+        _positive(d.progressive_multiple, "data.progressive_multiple")
+        if not 0 <= d.progressive_start_epoch <= d.progressive_end_epoch:
+            raise UserError(
+                f"data.progressive_start_epoch={d.progressive_start_epoch} and data.progressive_end_epoch="
+                f"{d.progressive_end_epoch} must satisfy 0 <= start <= end"
+            )
+
+
+def check_progressive_compile(cfg: Config) -> None:
+    """CUDA graphs (compile's reduce-overhead and max-autotune modes) hold one input shape: a size
+    that changes with the epoch re-records them, which is refused unless asked for."""
+    d = cfg.data
+    if d.progressive_min_size and cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        if not d.progressive_recompile:
+            raise UserError(
+                f"progressive resizing changes the input shape that compile_mode={cfg.compile_mode}'s CUDA graphs "
+                f"hold; set data.progressive_recompile=true to re-record them at each size, or "
+                f"compile_mode=max-autotune-no-cudagraphs"
+            )
 
 
 def stall_seconds(debug: DebugConfig) -> float | None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from multicard.errors import UserError
 
@@ -89,10 +90,103 @@ def fastnet(num_classes: int, widths: tuple[int, ...] = (32, 64, 128), head_scal
     return nn.Sequential(*layers)
 
 
+class PatchWhitening(nn.Module):
+    """A frozen convolution that whitens the image's patch×patch pixel patches (ZCA-like), with a
+    learned bias: each eigenvector of the patch covariance, divided by the root of its eigenvalue,
+    is a filter, and so is its negative (the GELU after it then sees both signs).
+
+    The covariance comes from the first batch the model trains on (the first forward in training
+    mode), summed over all ranks when a process group is up, so every rank and a one-process run
+    whiten alike; it is a buffer, kept in checkpoints, so a resumed run does not recompute it.
+    Until then (an eval before training) the filters are the identity on the patch's first pixel.
+    """
+
+    def __init__(self, patch: int = 2, eps: float = 5e-4) -> None:
+        super().__init__()
+        dims = 3 * patch * patch
+        self.eps = eps
+        self.register_buffer("weight", torch.zeros(2 * dims, 3, patch, patch))
+        self.weight[:3, :, 0, 0] = torch.eye(3)
+        self.weight[dims : dims + 3, :, 0, 0] = -torch.eye(3)
+        self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
+        self.bias = nn.Parameter(torch.zeros(2 * dims))
+
+    @torch.no_grad()
+    def fit(self, images: torch.Tensor) -> None:
+        patch = self.weight.shape[-1]
+        patches = F.unfold(images.double(), patch).transpose(1, 2).reshape(-1, self.weight.shape[0] // 2)
+        stats = torch.cat([(patches.T @ patches).flatten(), patches.new_tensor([len(patches)])])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(stats)
+        covariance = stats[:-1].view(patches.shape[1], -1) / stats[-1]
+        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
+        filters = eigenvectors.T / (eigenvalues + self.eps).sqrt().view(-1, 1)
+        self.weight.copy_(torch.cat([filters, -filters]).view_as(self.weight))
+        self.fitted.fill_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and not self.fitted:
+            self.fit(x)
+        return F.conv2d(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+class _Shift(nn.Module):
+    """A per-channel shift of bias_scale × a parameter: SGD moves it bias_scale² times faster than
+    a plain bias at the same learning rate (the fast BatchNorm biases of the speed records).
+
+    Apart from the BatchNorm before it (which has no affine part), so sync_bn's conversion of
+    BatchNorm layers keeps it."""
+
+    def __init__(self, channels: int, bias_scale: float) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(channels))
+        self.bias_scale = bias_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.shift * self.bias_scale).to(x.dtype).view(1, -1, 1, 1)
+
+
+def speednet(
+    num_classes: int,
+    widths: tuple[int, ...] = (64, 256, 256),
+    patch: int = 2,
+    whiten_eps: float = 5e-4,
+    bn_momentum: float = 0.4,
+    bias_scale: float = 8.0,
+    head_scale: float = 1 / 9,
+) -> nn.Module:
+    """The net of our CIFAR-10 speed recipe (configs/cifar10_speedrun.yaml), after the published
+    designs of the CIFAR speed records (airbench): a frozen patch-whitening first layer
+    (PatchWhitening), then per width a block conv → max-pool → BN → GELU → conv → BN → GELU, where
+    BatchNorm has no learned scale and a fast-moving shift, every convolution starts as the identity
+    on its first input channels, and the logits are scaled down.
+    """
+
+    def conv(cin: int, cout: int) -> nn.Conv2d:
+        layer = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        with torch.no_grad():
+            nn.init.dirac_(layer.weight[: min(cin, cout)])
+        return layer
+
+    def norm(width: int) -> list[nn.Module]:
+        norm = nn.BatchNorm2d(width, eps=1e-12, momentum=bn_momentum, affine=False)
+        return [norm, _Shift(width, bias_scale), nn.GELU()]
+
+    whitening = PatchWhitening(patch, whiten_eps)
+    layers: list[nn.Module] = [whitening, nn.GELU()]
+    cin = whitening.weight.shape[0]
+    for width in widths:
+        layers += [conv(cin, width), nn.MaxPool2d(2), *norm(width), conv(width, width), *norm(width)]
+        cin = width
+    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes, bias=False), _Scale(head_scale)]
+    return nn.Sequential(*layers)
+
+
 BUILTIN: dict[str, Callable[..., nn.Module]] = {
     "resnet18_cifar": resnet18_cifar,
     "smallcnn": smallcnn,
     "fastnet": fastnet,
+    "speednet": speednet,
 }
 
 

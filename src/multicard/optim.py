@@ -71,16 +71,29 @@ def fused_on_shards(name: str) -> bool:
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, steps_per_epoch: int, s: SchedConfig) -> float:
-    """Multiplier of the peak LR before optimizer step `step` (0-based)."""
+    """Multiplier of the peak LR before optimizer step `step` (0-based). With sched.per_epoch the
+    rule is read at the epoch's first step and held for the epoch, as schedulers stepped once an
+    epoch do (torchvision's reference scripts): warm-up epoch e of W then gives start + (1 - start) × e/W."""
+    start = s.warmup_start
+    if s.per_epoch:
+        epoch, epochs, warmup = step // steps_per_epoch, max(1, total_steps // steps_per_epoch), round(s.warmup_epochs)
+        if epoch < warmup:
+            return start + (1 - start) * epoch / warmup
+        return _after_warmup(epoch - warmup, epochs - warmup, epoch, s)
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return start + (1 - start) * (step + 1) / warmup_steps
+    return _after_warmup(step - warmup_steps, total_steps - warmup_steps, step // steps_per_epoch, s)
+
+
+def _after_warmup(done: int, span: int, epoch: int, s: SchedConfig) -> float:
+    """The schedule's multiplier `done` steps (or epochs) into its `span` after the warm-up."""
     if s.name == "constant":
         return 1.0
     if s.name == "step":
-        return s.gamma ** (step // (s.step_epochs * steps_per_epoch))
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return s.final_lr_ratio + (1 - s.final_lr_ratio) * cosine
+        return s.gamma ** (epoch // s.step_epochs)
+    progress = min(1.0, done / max(1, span))
+    shape = 1 - progress if s.name == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return s.final_lr_ratio + (1 - s.final_lr_ratio) * shape
 
 
 def build_scheduler(

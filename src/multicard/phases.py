@@ -7,15 +7,22 @@ they are events recorded on the current stream, read only when someone asks for 
 
 `communication` is the exposed part of gradient reduction: from the moment the last gradient
 of the step is computed until backward returns (DDP waits there for its last all-reduce).
+
+Wall-clock timing of whole steps lives here too (`StepClock`, `raw_allreduce_ms`), below every
+tool that measures (bench, plan, the yardsticks): each timing waits for the device first (CUDA
+kernels are asynchronous), so a time is what the work cost, not when it was queued.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER = "data", "forward", "backward", "communication", "optimizer"
 PHASES = (DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER)
@@ -88,3 +95,59 @@ def split(seconds: dict[str, float]) -> dict[str, float]:
         "comm_exposed_ms": 1000 * seconds[COMMUNICATION],
         "optimizer_ms": 1000 * seconds[OPTIMIZER],
     }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """Called once per optimizer step; keeps the step times after `warmup` steps."""
+
+    def __init__(self, device: torch.device, warmup: int) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.seen = 0
+        self.times: list[float] = []
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        """The next step's time starts now (not at the last tick): a run's start-up is not a step."""
+        sync(self.device)
+        self._last = time.perf_counter()
+
+    def __call__(self) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        if self.seen >= self.warmup:
+            self.times.append(now - self._last)
+        self.seen += 1
+        self._last = now
+
+
+def summary_ms(times: list[float]) -> dict[str, float]:
+    """Median and the 10th/90th percentiles of step times, in milliseconds."""
+    ms = sorted(t * 1000 for t in times)
+    if len(ms) == 1:
+        return {"median": ms[0], "p10": ms[0], "p90": ms[0]}
+    deciles = statistics.quantiles(ms, n=10, method="inclusive")
+    return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1]}
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+RAW_REPEATS = 8  # timed all-reduces of a raw tensor the size of the gradients
+
+
+def raw_allreduce_ms(nbytes: int, device: torch.device, repeats: int = RAW_REPEATS) -> float:
+    """Median time of torch.distributed.all_reduce on one fp32 tensor of `nbytes`."""
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor)  # warm-up: connections, buffers
+    return statistics.median(_timed(lambda: dist.all_reduce(tensor), device) for _ in range(repeats)) * 1000

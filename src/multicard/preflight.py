@@ -1,5 +1,6 @@
 """Cheap checks made before anything starts, by a launcher as by a training process: the out_dir
-can be written, and the optional packages the config asks for are installed."""
+can be written, the optional packages the config asks for are installed, and (`check_run`, the one
+list of a training run's checks) fsdp.units and the resume settings hold."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 from pathlib import Path
 
 from multicard.atomic import probe_write
-from multicard.config import Config
+from multicard.checkpoint import check_resume_settings
+from multicard.config import Config, to_dict
 from multicard.errors import UserError
 from multicard.telemetry import check_tensorboard_folder, tensorboard_writer
 from multicard.tracking import check_trackers
@@ -49,3 +51,16 @@ def check_extras(cfg: Config) -> None:
         tensorboard_writer()
         check_tensorboard_folder(Path(cfg.out_dir) / "tensorboard")
     check_trackers(cfg)
+
+
+def check_run(cfg: Config) -> None:
+    """Every cheap check of a training run, made once before it starts: by multicard's launcher
+    before it starts workers, else by the training process: fsdp.units against the model (built on
+    the meta device), the optional packages, and the resume settings against the checkpoint
+    train.resume would continue."""
+    if cfg.strategy == "fsdp":
+        from multicard.strategy.fsdp_units import check_units  # the strategies' package loads torch's sharding stack
+
+        check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
+    check_extras(cfg)
+    check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))

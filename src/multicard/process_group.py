@@ -49,6 +49,11 @@ class ProcessEnv:
     def launched(self) -> bool:
         return self.source != "none"
 
+    @property
+    def is_main(self) -> bool:
+        """Rank 0, which says what every rank met (as ProcessContext.is_main, before there is one)."""
+        return self.rank == 0
+
 
 @dataclass(frozen=True)
 class ProcessContext:
@@ -291,7 +296,7 @@ def setup(
     dumps them there when a collective times out (torch's TORCH_NCCL_* variables; set ones win).
     """
     if gpus:
-        # topology.plan has made sure there is a GPU for every local rank.
+        # topology.resolve has made sure there is a GPU for every local rank.
         gpu = gpus[env.local_rank] if distributed else gpus[0]
         device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
@@ -303,11 +308,8 @@ def setup(
         timeout = timedelta(seconds=timeout_s)
         select_interface(socket_ifname)
         if device.type == "cuda" and trace_dir is not None:
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl-trace-rank-"))
-        if env.source == "slurm" and env.rank != 0:
+            record_nccl_flights(trace_dir)
+        if env.source == "slurm" and not env.is_main:
             hint = (
                 "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls, "
                 "or raise dist_timeout_s"
@@ -337,6 +339,15 @@ def setup(
         distributed=distributed,
         store=store if distributed else dist.HashStore(),
     )
+
+
+def record_nccl_flights(trace_dir: Path) -> None:
+    """NCCL's flight recorder keeps each rank's last collectives and dumps them into `trace_dir`
+    when one times out (torch's TORCH_NCCL_* variables; ones already set win)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl-trace-rank-"))
 
 
 def teardown() -> None:

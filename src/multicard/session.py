@@ -22,10 +22,13 @@ from multicard.checkpoint.weights import load_weights
 from multicard.compilation import set_cudnn_benchmark
 from multicard.config import Config, ModelConfig, stall_seconds, to_dict
 from multicard.data import Data, build_data
-from multicard.data.sampling import BatchPlan
+from multicard.data.loaders import EvalLoader, TrainLoader
+from multicard.data.mixing import StepMix, mixing
+from multicard.data.sampling import BatchSplit
+from multicard.ema import WeightAverage
 from multicard.errors import MulticardError, Stopped
 from multicard.models import build_model, check_input_size
-from multicard.optim import build_scheduler, optimizer_recipe
+from multicard.optim import OptimizerRecipe, build_scheduler, optimizer_recipe
 from multicard.precision import Precision
 from multicard.process_group import ProcessContext, ProcessEnv, setup, teardown
 from multicard.stopping import GracefulStop
@@ -63,6 +66,36 @@ def start_process(cfg: Config, env: ProcessEnv, topology: Topology) -> tuple[Pro
     return ctx, strategy
 
 
+def training_schedule(cfg: Config, steps_per_epoch: int, total_steps: int, grad_accum: int | None = None,
+                      log_every: int | None = None) -> Schedule:  # fmt: skip
+    """The loop's settings for `cfg` (grad_accum and log_every: the config's unless given)."""
+    return Schedule(
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        grad_accum=cfg.train.grad_accum if grad_accum is None else grad_accum,
+        log_every=cfg.log_every if log_every is None else log_every,
+        label_smoothing=cfg.train.label_smoothing,
+        clip_grad_norm=cfg.clip_grad_norm,
+        eval_flip=cfg.eval_flip,
+    )
+
+
+def assemble_trainer(
+    cfg: Config, strategy: Strategy, model: torch.nn.Module, train: TrainLoader, val: EvalLoader | None,
+    schedule: Schedule, stop: GracefulStop | None = None, mix: StepMix | None = None,
+) -> tuple[Trainer, OptimizerRecipe]:  # fmt: skip
+    """The optimizer, LR scheduler, weights' EMA (ema.decay) and Trainer of a model the strategy has
+    prepared, as every run (and the plan's traced step) has them; with the optimizer's recipe."""
+    bare = strategy.unwrap(model)
+    recipe = optimizer_recipe(bare, cfg.optim, cfg.train.global_batch_size)
+    optimizer = strategy.make_optimizer(recipe, bare)
+    scheduler = build_scheduler(optimizer, cfg.sched, schedule.total_steps, schedule.steps_per_epoch)
+    ema = None
+    if cfg.ema.decay:
+        ema = WeightAverage(bare, cfg.ema.decay, cfg.ema.every, round(cfg.ema.start_epoch * schedule.steps_per_epoch))
+    return Trainer(strategy, model, optimizer, scheduler, train, val, schedule, stop, mix, ema), recipe
+
+
 def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: ExitStack) -> Watchdog | None:
     """Heartbeats and stall reports (debug.stall_s; 0 turns them off), for as long as the session lasts."""
     stall_s = stall_seconds(cfg.debug)
@@ -91,7 +124,7 @@ class Session:
     cfg: Config
     ctx: ProcessContext
     strategy: Strategy
-    plan: BatchPlan
+    batch_split: BatchSplit
     data: Data
     trainer: Trainer
     run: RunFacts  # what checkpoints of this run record
@@ -109,31 +142,22 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
     try:
         with ExitStack() as stack:
             stop = stack.enter_context(GracefulStop(strategy.start_max, announce=ctx.is_main))
-            plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
-            data = build_data(cfg.data, cfg.seed, plan, ctx)
+            batch_split = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
+            data = build_data(cfg.data, cfg.seed, batch_split, ctx)
             stack.callback(data.close)
             assert data.train is not None
-            steps_per_epoch = plan.steps_per_epoch(data.train.num_samples)
+            steps_per_epoch = batch_split.steps_per_epoch(data.train.num_samples)
             bare = seeded_model(cfg.model, cfg.seed, data.num_classes, cfg.data.image_size)
             bare = bare.to(dtype=strategy.precision.param_dtype)  # weights load at the run's precision
             notes = [load_weights(bare, cfg.model.weights)] if cfg.model.weights else []
             model = strategy.prepare(bare)
             seed_process(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
-            recipe = optimizer_recipe(strategy.unwrap(model), cfg.optim, cfg.train.global_batch_size)
-            optimizer = strategy.make_optimizer(recipe, strategy.unwrap(model))
-            schedule = Schedule(
-                steps_per_epoch=steps_per_epoch,
-                total_steps=run_length(cfg.train, steps_per_epoch),
-                grad_accum=cfg.train.grad_accum,
-                log_every=cfg.log_every,
-                label_smoothing=cfg.train.label_smoothing,
-                clip_grad_norm=cfg.clip_grad_norm,
-            )
-            scheduler = build_scheduler(optimizer, cfg.sched, schedule.total_steps, steps_per_epoch)
-            trainer = Trainer(strategy, model, optimizer, scheduler, data.train, data.val, schedule, stop)
+            schedule = training_schedule(cfg, steps_per_epoch, run_length(cfg.train, steps_per_epoch))
+            mix = mixing(cfg.mix, batch_split, ctx.rank, cfg.seed, data.num_classes)
+            trainer, _ = assemble_trainer(cfg, strategy, model, data.train, data.val, schedule, stop, mix)
             watchdog = watch_for_stalls(cfg, ctx, trainer, stack)
             run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size)
-            yield Session(cfg, ctx, strategy, plan, data, trainer, run, notes, watchdog)
+            yield Session(cfg, ctx, strategy, batch_split, data, trainer, run, notes, watchdog)
     except MulticardError as exc:
         # An error of this rank alone: leave the process group open on the way out, so peers see
         # its connections close only once it has exited (cli.main exits right after the message)

@@ -49,6 +49,9 @@ def _unwritable(path: Path, exc: OSError) -> UserError:
 
 
 class Reporter:
+    """Console, progress bar and metrics.jsonl: given the process context's `is_main`, it does its
+    work on the main rank and nothing on the others."""
+
     def __init__(self, is_main: bool) -> None:
         self.is_main = is_main
         self.console = Console(highlight=False, soft_wrap=True)
@@ -162,6 +165,7 @@ class Stragglers:
         self.window.append(ranks)
         if len(self.window) < self.WINDOW:
             return []
+
         def mean(key: str) -> list[float]:
             return [statistics.mean(w[r][key] for w in self.window) for r in range(len(ranks))]
 
@@ -203,7 +207,8 @@ class DataBound:
         return (
             f"the input pipeline holds training back: waiting for data takes {share:.0%} of each step "
             f"(rank {worst}, up to step {record['step']}); try more loader processes (data.num_workers, now "
-            f"{d.num_workers}), data.decode=gpu for JPEGs on CUDA, or data.loader=device for images of up to 64 px"
+            f"{d.num_workers}), data.decode=gpu for JPEGs on CUDA, or data.loader=device for images of up to 64 px; "
+            f"multicard input-split shows where the input time goes"
         )
 
 
@@ -271,6 +276,8 @@ class TrainingLog(Callback):
         line = f"epoch {record['epoch']}: train loss {record['train_loss']:.4f} top-1 {record['train_top1']:.2f}%"
         if val is not None:
             line += f" | val loss {val.loss:.4f} top-1 {val.top1:.2f}% top-5 {val.top5:.2f}%"
+        if "ema_val_top1" in record:
+            line += f" | EMA top-1 {record['ema_val_top1']:.2f}%"
         self.reporter.print(f"{line} | {record['img_per_s']:.0f} img/s, {record['epoch_s']:.1f} s")
 
     def on_fit_end(self, trainer: Trainer) -> None:
@@ -317,6 +324,8 @@ class TensorBoardLog(Callback):
         }
         if val is not None:
             values.update({"val/loss": val.loss, "val/top1": val.top1, "val/top5": val.top5})
+        averaged = {f"ema_val/{k}": record.get(f"ema_val_{k}") for k in ("loss", "top1", "top5")}  # ema.decay
+        values.update({k: v for k, v in averaged.items() if v is not None})
         values.update({f"memory/peak_mb/device_{i}": mb for i, mb in enumerate(record["peak_mem_mb"])})
         self._scalars(record["step"], values)
         if self.writer is not None:

@@ -1,7 +1,8 @@
 """Which strategy runs on which devices: decided once per process, before anything starts.
 
-`resolve` is the only place that turns `strategy=auto` into a strategy and checks the config
-against the process count and the GPUs present. The launcher calls it before starting
+`resolve` is the only place that turns `strategy=auto` into a strategy and picks the GPUs;
+`check_options` (which it calls) holds the rules on which options go together with the strategy,
+the GPUs present and the process count. The launcher calls it before starting
 workers (so bad input costs no start-up), and each worker once more for its own process.
 """
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 from multicard.config import Config, DDPConfig, FSDPConfig, parse_devices
 from multicard.data.decode_choice import check_decode
-from multicard.data.sampling import BatchPlan
+from multicard.data.mixing import check_pairs
+from multicard.data.sampling import BatchSplit
 from multicard.errors import UserError
 from multicard.process_group import resolve_gpus
 
@@ -78,7 +80,16 @@ def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool,
     """The strategy and GPUs for `world_size` processes, or a one-line UserError saying what to change."""
     strategy = resolve_strategy(cfg.strategy, launched, world_size)
     gpus = resolve_gpus(parse_devices(cfg.devices))
+    check_options(cfg, strategy, gpus, world_size, local_world_size, training)
+    return Topology(strategy, gpus, world_size, local_world_size)
+
+
+def check_options(cfg: Config, strategy: str, gpus: list[int], world_size: int, local_world_size: int,
+                  training: bool) -> None:  # fmt: skip
+    """The config's options go together with the strategy, the GPUs in use and the process count."""
     check_decode(cfg.data.decode, cuda=bool(gpus))
+    if training:
+        check_pairs(cfg.mix, BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world_size))
     if strategy == "fsdp":
         check_fsdp(cfg, world_size, local_world_size)
     if strategy == "ddp" and training:  # eval runs a checkpoint's config, fsdp's included, under ddp
@@ -123,10 +134,9 @@ def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool,
         # bound to the original, on the first GPU.
         raise UserError(f"compile=true is not supported by strategy=dp over {len(gpus)} GPUs; use strategy=ddp")
     if training:
-        plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
-        if strategy == "dp" and plan.micro_batch % len(gpus):
+        split = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
+        if strategy == "dp" and split.micro_batch % len(gpus):
             raise UserError(
-                f"strategy=dp splits each micro-batch of {plan.micro_batch} over {len(gpus)} GPUs; "
+                f"strategy=dp splits each micro-batch of {split.micro_batch} over {len(gpus)} GPUs; "
                 f"make train.global_batch_size / train.grad_accum a multiple of {len(gpus)}"
             )
-    return Topology(strategy, gpus, world_size, local_world_size)

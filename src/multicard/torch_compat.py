@@ -4,7 +4,7 @@ multicard is tested on torch 2.11–2.14 (torchvision 0.26–0.29); see TESTED_T
 These private modules had the same names and contents throughout that range (checked on torch 2.11.0
 and 2.14.1). Where a later torch moves one, the fallback here keeps multicard importing, and this
 is the one file to change. The other internals in use were also the same on both: FakeTensorMode
-(plan/fake.py), the profiler's allocation events (plan/allocations.py) and DataLoader's
+(plan/fake.py), the profiler's allocation events (plan/profiled_peak.py) and DataLoader's
 `_shutdown_workers` (data/workers.py, called only where it exists).
 """
 

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from multicard.atomic import write_text_atomic
 from multicard.config import Config, LogConfig, to_dict
 from multicard.errors import Stopped, UserError
+from multicard.run_records import run_figure
 from multicard.telemetry import TensorBoardLog
 from multicard.trainer import EvalResult, Trainer
 
@@ -329,22 +330,9 @@ class TrackerLog(TensorBoardLog):
 
     def _report_figure(self) -> None:
         """The figure `multicard report` draws of this run, as out_dir/report.png."""
-        from multicard.report import figure, load_run
-
-        target = self.out_dir / "report.png"
-        try:
-            fig = figure([load_run(self.out_dir)])
-        except UserError:
-            return  # no records yet
-        import matplotlib.pyplot as plt
-
-        try:
-            fig.savefig(target, dpi=110)
-        except OSError:
-            return  # out_dir full: the checkpoints' writes say so in one line; the trackers go without it
-        finally:
-            plt.close(fig)
-        self._file(target, "upload report.png")
+        target = run_figure(self.out_dir)
+        if target is not None:
+            self._file(target, "upload report.png")
 
     def _file(self, path: Path, what: str) -> None:
         assert self.trackers is not None

@@ -7,18 +7,17 @@ model itself. The trainer is stateful: `state_dict()` / `load_state_dict()` carr
 optimizer, scheduler, scaler, position and every rank's random streams.
 
 Host syncs happen only at log intervals, epoch ends and saves: per-step statistics stay on the
-device until then. Every control-flow decision (NaN stop, best epoch, graceful stop) is taken
+device until then, in the loop's meter (multicard.meters), which also writes the step and epoch
+records. Every control-flow decision (NaN stop, best epoch, graceful stop) is taken
 from values reduced across ranks, so all ranks decide alike.
 """
 
 from __future__ import annotations
 
 import random
-import resource
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +26,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.data.loaders import Batch, EvalLoader, TrainLoader
+from multicard.data.mixing import StepMix
+from multicard.ema import WeightAverage
 from multicard.errors import Stopped, TrainingDiverged
+from multicard.meters import EvalResult, TrainMeter
+from multicard.meters import peak_memory_mb as peak_memory_mb  # re-exported: its users import it from here
 from multicard.phases import (
     BACKWARD,
     COMMUNICATION,
@@ -39,7 +42,6 @@ from multicard.phases import (
     REDUCING,
     PhaseClock,
     StepTimes,
-    split,
 )
 from multicard.precision import Precision
 from multicard.stopping import GracefulStop
@@ -48,17 +50,6 @@ if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding st
     from multicard.strategy import Strategy
 
 OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")  # param-group entries that choose kernels, not maths
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    loss: float
-    top1: float  # percent
-    top5: float  # percent
-    samples: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"top1": self.top1, "top5": self.top5, "loss": self.loss, "samples": self.samples}
 
 
 def logits_for_loss(out: torch.Tensor) -> torch.Tensor:
@@ -76,18 +67,21 @@ def prepare_input(x: torch.Tensor, precision: Precision, channels_last: bool) ->
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, batches: Iterable[Batch], strategy: Strategy, progress: Callable[[], None] = lambda: None
-) -> EvalResult:
+    model: nn.Module, batches: Iterable[Batch], strategy: Strategy, progress: Callable[[], None] = lambda: None,
+    flip: bool = False,
+) -> EvalResult:  # fmt: skip
     """Exact metrics: each rank sums (loss, correct@1, correct@5, count) over its own share,
-    then the sums are reduced. No sample is padded or counted twice. `progress` is told of each batch."""
+    then the sums are reduced. No sample is padded or counted twice. `progress` is told of each
+    batch. With `flip` (eval_flip), the logits are the mean of each image's and its mirror's."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=strategy.ctx.device)
     for x, y in batches:
         x = prepare_input(x, strategy.precision, strategy.setup.channels_last)
         with strategy.precision.autocast():
-            out = model(x)
-        logits = logits_for_loss(out)
+            logits = logits_for_loss(model(x))
+            if flip:
+                logits = (logits + logits_for_loss(model(x.flip(-1)))) / 2
         k = min(5, logits.shape[1])
         hits = logits.topk(k, dim=1).indices == y.view(-1, 1)
         totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
@@ -101,17 +95,6 @@ def evaluate(
     if n == 0:
         return EvalResult(loss=float("nan"), top1=0.0, top5=0.0, samples=0)
     return EvalResult(loss=loss_sum / n, top1=100 * c1 / n, top5=100 * c5 / n, samples=int(n))
-
-
-def peak_memory_mb(devices: list[torch.device]) -> list[float]:
-    """Peak memory of each device this process uses (CPU: the process's peak RSS)."""
-    out = []
-    for device in devices:
-        if device.type == "cuda":
-            out.append(torch.cuda.max_memory_allocated(device) / 2**20)
-        else:
-            out.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return [round(v, 1) for v in out]
 
 
 # ---------------------------------------------------------------- random streams as tensors
@@ -138,18 +121,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def load_keeping_kernels(
+    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: Any, optim_state: Any
+) -> None:
+    """Load model and optimizer state. How this run computes the update (fused kernels or not) is
+    its own choice, not the checkpoint's: a fused kernel saved by one strategy may not exist for
+    another's tensors."""
+    kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+    strategy.load_state_dicts(model, optimizer, model_state, optim_state)
+    for group, keep in zip(optimizer.param_groups, kernels, strict=True):
+        group.update(keep)
+
+
+def own_streams(streams: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's random streams among every rank's saved: at the same world size each rank continues
+    its own; otherwise rank 0's seed them all."""
+    return streams[rank] if len(streams) == world_size else streams[0]
+
+
 # ---------------------------------------------------------------- the loop's state and settings
 
 
 @dataclass
 class Position:
-    """Where a run stands; saved in every checkpoint so a resumed run continues exactly."""
+    """Where a run stands; saved in every checkpoint (with the meter's epoch sums) so a resumed
+    run continues exactly."""
 
     epoch: int = 0  # the epoch in progress (or the next one, at an epoch boundary)
     step_in_epoch: int = 0  # optimizer steps of `epoch` already done
     global_step: int = 0
     best_top1: float = -1.0
-    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, count
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Position:
+        """The position saved in `state` (which holds the meter's epoch sums too)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ class Schedule:
     log_every: int = 50
     label_smoothing: float = 0.0
     clip_grad_norm: float = 0.0
+    eval_flip: bool = False  # test-time flip in evaluation
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of `epoch` in this run (the last one may be cut by train.max_steps)."""
@@ -227,6 +234,20 @@ class Callback:
     def on_fit_end(self, trainer: Trainer) -> None: ...
 
 
+class Hooks:
+    """A run's callbacks as one: `hooks.on_log(trainer, record)` calls each callback's on_log, in order."""
+
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def __getattr__(self, hook: str) -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            for cb in self.callbacks:
+                getattr(cb, hook)(*args)
+
+        return call
+
+
 class Trainer:
     """Owns the model, optimizer, schedule and scaler of one run, and trains them."""
 
@@ -240,6 +261,8 @@ class Trainer:
         val_loader: EvalLoader | None,
         schedule: Schedule,
         stop: GracefulStop | None = None,
+        mix: StepMix | None = None,
+        ema: WeightAverage | None = None,
     ) -> None:
         self.strategy = strategy
         self.model = model  # as the strategy wrapped it: what forward runs through
@@ -251,17 +274,10 @@ class Trainer:
         self.val_loader = val_loader
         self.schedule = schedule
         self.stop = stop
+        self.mix, self.ema = mix, ema  # mixup/CutMix before the forward; the weights' EMA after each step
         self.position = Position()
         self.clock = PhaseClock(strategy.ctx.device)
-        device = strategy.ctx.device
-        # Statistics of the steps since the last reduction, on the device:
-        # loss sum (finite losses), correct, count, micro-steps whose loss was NaN/inf.
-        self._window = torch.zeros(4, dtype=torch.float64, device=device)
-        self._since_log = [0.0, 0.0, 0.0]  # reduced loss sum, correct, count since the last step record
-        self._log_started = time.perf_counter()
-        self._step_times: list[StepTimes] = []  # since the last step record
-        self._skipped = 0  # fp16 micro-steps with NaN/inf loss in the last reduction
-        self._epoch_clock = (time.perf_counter(), 0.0, time.perf_counter())  # start, samples before, training end
+        self.meter = TrainMeter(strategy, self.clock)  # the steps' statistics and records
         self._gradients = GradientWatch(self.clock, self.bare) if strategy.reduces_gradients else None
 
     # ------------------------------------------------------------ state
@@ -286,7 +302,7 @@ class Trainer:
         by parameter name, as the strategy holds them (sharded under fsdp), or with `whole`,
         gathered whole on rank 0.
         """
-        self._reduce_window()  # the position's running totals must include every step done
+        self._reduce_statistics()  # the epoch's sums saved must include every step done
         self.strategy.agree_buffers(self.bare)
         model_state, optim_state = self.strategy.state_dicts(self.bare, self.optimizer, whole)
         return {
@@ -294,24 +310,21 @@ class Trainer:
             "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "position": asdict(self.position),
+            "position": asdict(self.position) | self.meter.state_dict(),
             "rng": self.strategy.all_gather_object(rng_state()),
+            **({"ema": self.ema.state_dict(self.bare, whole)} if self.ema is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (any strategy and world size that keep this global batch)."""
-        # How this run computes the update (fused kernels or not) is its own choice, not the
-        # checkpoint's: a fused kernel saved by one strategy may not exist for another's tensors.
-        kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in self.optimizer.param_groups]
-        self.strategy.load_state_dicts(self.bare, self.optimizer, state["model"], state["optimizer"])
-        for group, keep in zip(self.optimizer.param_groups, kernels, strict=True):
-            group.update(keep)
+        load_keeping_kernels(self.strategy, self.bare, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.position = Position(**state["position"])
-        rngs, ctx = state["rng"], self.strategy.ctx
-        # Same world size: each rank continues its own streams; otherwise rank 0's seed them all.
-        set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world_size else rngs[0])
+        self.position = Position.from_state(state["position"])
+        self.meter.load_state_dict(state["position"])
+        set_rng_state(own_streams(state["rng"], self.strategy.ctx.rank, self.strategy.ctx.world_size))
+        if self.ema is not None and "ema" in state:  # else it starts from these weights
+            self.ema.load_state_dict(state["ema"], self.bare)
 
     # ------------------------------------------------------------ training
 
@@ -322,86 +335,78 @@ class Trainer:
         the callbacks at each epoch end. Raises Stopped when the ranks agree on a signal."""
         end = min(until, self.schedule.total_steps) if until is not None else self.schedule.total_steps
         result = None
-        for cb in callbacks:
-            cb.on_fit_start(self)
+        hooks = Hooks(callbacks)
+        hooks.on_fit_start(self)
         try:
             while True:
                 pos = self.position
                 steps = self.schedule.steps_in_epoch(pos.epoch)
-                stop_at = min(steps, end - pos.epoch * self.schedule.steps_per_epoch)
-                stop = self._train_epoch(stop_at, callbacks)
+                last = min(steps, end - pos.epoch * self.schedule.steps_per_epoch)
+                stopped = self._train_epoch(last, hooks)
                 complete = 0 < steps <= self.position.step_in_epoch
                 if complete:  # a stop on an epoch's last step still evaluates and saves the epoch first
-                    result = self._end_epoch(steps, callbacks, validate)
-                if stop is not None:
-                    for cb in callbacks:
-                        cb.on_stop(self, stop)
-                    raise stop
+                    result = self._end_epoch(steps, hooks, validate)
+                if stopped is not None:
+                    hooks.on_stop(self, stopped)
+                    raise stopped
                 if not complete or self.position.global_step >= end:
                     break
         finally:
-            for cb in callbacks:
-                cb.on_fit_end(self)
+            hooks.on_fit_end(self)
         return result
 
-    def _train_epoch(self, stop_at: int, callbacks: Sequence[Callback]) -> Stopped | None:
-        """Steps of the current epoch up to `stop_at`; the agreed stop, if one came."""
+    def _train_epoch(self, last: int, hooks: Hooks) -> Stopped | None:
+        """Steps of the current epoch up to step `last`; the agreed stop, if one came."""
         pos = self.position
-        self._epoch_clock = (time.perf_counter(), pos.epoch_totals[2], time.perf_counter())
-        if pos.step_in_epoch >= stop_at:
+        self.meter.start_epoch()
+        if pos.step_in_epoch >= last:
             return None
         self.model.train()
         self.train_loader.set_epoch(pos.epoch, pos.step_in_epoch)
         batches = iter(self.train_loader)
         steps = self.schedule.steps_in_epoch(pos.epoch)
-        stop = None
-        while pos.step_in_epoch < stop_at and stop is None:
-            self._step(batches, callbacks)
+        stopped = None
+        while pos.step_in_epoch < last and stopped is None:
+            self._step(batches, hooks)
             pos.global_step += 1
             pos.step_in_epoch += 1
+            if self.ema is not None:
+                self.ema.update(self.bare, pos.global_step)
             times = self.clock.end_step()
-            self._step_times.append(times)
-            signum = self._poll_stop()
-            last = pos.step_in_epoch == steps
-            if pos.global_step % self.schedule.log_every == 0 or last or signum:
-                record = self._log_record()
-                for cb in callbacks:
-                    cb.on_log(self, record)
-            info = StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, last, times, signum)
-            for cb in callbacks:
-                cb.on_step_end(self, info)
-            stop = Stopped(signum, pos.global_step) if signum else None
-        started, samples_before, _ = self._epoch_clock
-        self._epoch_clock = (started, samples_before, time.perf_counter())
-        return stop
+            self.meter.add_step(times)
+            signum = self._poll_signal()
+            ends_epoch = pos.step_in_epoch == steps
+            if pos.global_step % self.schedule.log_every == 0 or ends_epoch or signum:
+                self._reduce_statistics()
+                record = self.meter.step_record(pos.epoch, pos.global_step, self.optimizer.param_groups[0]["lr"])
+                hooks.on_log(self, record)
+            info = StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, ends_epoch, times, signum)
+            hooks.on_step_end(self, info)
+            stopped = Stopped(signum, pos.global_step) if signum else None
+        self.meter.end_training()
+        return stopped
 
-    def _step(self, batches: Iterator[Batch], callbacks: Sequence[Callback]) -> None:
+    def _step(self, batches: Iterator[Batch], hooks: Hooks) -> None:
         """One optimizer step: grad_accum micro-steps, gradients reduced on the last one only."""
-        sched, strategy, clock, model = self.schedule, self.strategy, self.clock, self.model
+        sched, strategy, clock, model, pos = self.schedule, self.strategy, self.clock, self.model, self.position
         accum = sched.grad_accum
         for micro in range(accum):
             clock.enter(DATA)
             x, y = next(batches)
+            x, target = self.mix(x, y, pos.epoch, pos.step_in_epoch, micro) if self.mix is not None else (x, y)
             x = prepare_input(x, strategy.precision, strategy.setup.channels_last)
             sync = micro == accum - 1
             clock.enter(FORWARD)
             with nullcontext() if sync else strategy.no_sync(model):
                 logits = logits_for_loss(model(x))
-                loss = F.cross_entropy(logits, y, label_smoothing=sched.label_smoothing)
+                loss = F.cross_entropy(logits, target, label_smoothing=sched.label_smoothing)
                 clock.enter(BACKWARD)
                 if self._gradients is not None:
                     self._gradients.expect(sync)
                 self.scaler.scale(loss / accum).backward()
-            with torch.no_grad():
-                finite = torch.isfinite(loss.detach())
-                w = self._window
-                w[0] += torch.where(finite, loss.detach(), 0.0) * y.numel()
-                w[1] += (logits.argmax(dim=1) == y).sum()
-                w[2] += y.numel()
-                w[3] += ~finite
+            self.meter.add(loss, logits, y)
         clock.enter(OPTIMIZER)
-        for cb in callbacks:
-            cb.on_gradients(self)
+        hooks.on_gradients(self)
         if sched.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), sched.clip_grad_norm)
@@ -410,7 +415,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def _poll_stop(self) -> int:
+    def _poll_signal(self) -> int:
+        """The signal every rank agreed to stop on after this step (0: none)."""
         if self.stop is None:
             return 0
         self.clock.set_phase(REDUCING)
@@ -418,94 +424,43 @@ class Trainer:
         self.clock.set_phase(IDLE)
         return signum
 
-    def _reduce_window(self) -> None:
-        """Sum the unreduced statistics over ranks (one host sync); a NaN/inf loss on any rank
+    def _reduce_statistics(self) -> None:
+        """Reduce the steps' statistics over ranks (one host sync). A NaN/inf loss on any rank
         stops every rank, except under the fp16 scaler, which skips those steps."""
-        phase = self.clock.phase
-        self.clock.set_phase(REDUCING)
-        reduced = self.strategy.all_reduce_sum(self._window.clone())
-        self.clock.set_phase(phase)
-        self._window.zero_()
-        loss_sum, correct, count, nonfinite = reduced.tolist()
-        if nonfinite and not self.scaler.is_enabled():
+        if self.meter.reduce() and not self.scaler.is_enabled():
             raise TrainingDiverged(
                 f"loss is NaN/inf at step {self.position.global_step}; lower optim.lr, "
                 f"set clip_grad_norm, or use precision=fp32 (the last good checkpoint is kept)"
             )
-        self._skipped = int(nonfinite)
-        pos = self.position
-        pos.epoch_totals = [a + b for a, b in zip(pos.epoch_totals, (loss_sum, correct, count), strict=True)]
-        self._since_log = [a + b for a, b in zip(self._since_log, (loss_sum, correct, count), strict=True)]
 
-    def _log_record(self) -> dict[str, Any]:
-        """A step record: reduced loss and accuracy, lr, img/s, this rank's step-time split, and
-        every rank's step, busy and data times (busy: not waiting for the others)."""
-        self._reduce_window()
-        loss_sum, correct, count = self._since_log
-        elapsed = time.perf_counter() - self._log_started
-        seconds = [t.seconds() for t in self._step_times]
-        mean = {k: sum(s[k] for s in seconds) / len(seconds) for k in seconds[0]} if seconds else {}
-        parts = split(mean) if mean else {}
-        if self._gradients is None and self.strategy.ctx.world_size > 1:
-            parts.pop("comm_exposed_ms", None)  # fsdp's gathers and scatters run inside forward and backward
-        step_ms = 1000 * sum(mean.values()) if mean else 0.0
-        mine = {
-            "step_ms": round(step_ms, 3),
-            "busy_ms": round(step_ms - 1000 * mean.get(COMMUNICATION, 0.0), 3),
-            "data_ms": round(1000 * mean.get(DATA, 0.0), 3),
-        }
-        record = {
-            "epoch": self.position.epoch,
-            "step": self.position.global_step,
-            "loss": loss_sum / count if count else float("nan"),
-            "top1": 100 * correct / count if count else 0.0,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "img_per_s": count / elapsed if elapsed > 0 else 0.0,
-            **{k: round(v, 3) for k, v in parts.items()},
-            "step_ms": mine["step_ms"],
-        }
-        if self.strategy.ctx.world_size > 1:
-            self.clock.set_phase(REDUCING)
-            record["ranks"] = self.strategy.all_gather_object(mine)
-            self.clock.set_phase(IDLE)
-        if self._skipped:
-            record["fp16_skipped"] = self._skipped
-        self._since_log = [0.0, 0.0, 0.0]
-        self._log_started = time.perf_counter()
-        self._step_times = []
-        return record
-
-    def _end_epoch(self, steps: int, callbacks: Sequence[Callback], validate: bool) -> EvalResult | None:
+    def _end_epoch(self, steps: int, hooks: Hooks, validate: bool) -> EvalResult | None:
         """Evaluate, report, advance the position past a complete epoch, tell the callbacks."""
         pos = self.position
-        epoch = pos.epoch
-        started, samples_before, trained_until = self._epoch_clock
         self.set_phase(EVALUATION)
-        val = None
-        if validate and self.val_loader is not None:
-            self.strategy.agree_buffers(self.bare)  # the statistics the epoch's checkpoint holds
-            val = evaluate(self.bare, self.val_loader, self.strategy, self.clock.tick)
+        val, averaged = validation(self) if validate and self.val_loader is not None else (None, None)
         self.set_phase(IDLE)
-        per_rank = self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices))
-        loss_sum, correct, count = pos.epoch_totals
-        train_s = trained_until - started
-        record: dict[str, Any] = {
-            "epoch": epoch,
-            "step": pos.global_step,
-            "train_loss": loss_sum / count if count else float("nan"),
-            "train_top1": 100 * correct / count if count else 0.0,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "img_per_s": (count - samples_before) / train_s if train_s > 0 else 0.0,
-            "epoch_s": time.perf_counter() - started,
-            "peak_mem_mb": [mb for rank_peaks in per_rank for mb in rank_peaks],
-        }
-        if val is not None:
-            record.update(val_loss=val.loss, val_top1=val.top1, val_top5=val.top5, val_samples=val.samples)
+        lr = self.optimizer.param_groups[0]["lr"]
+        record = self.meter.epoch_record(pos.epoch, pos.global_step, lr, val, averaged)
         best = val is not None and val.top1 > pos.best_top1  # reduced metrics: every rank decides alike
-        if val is not None:
-            pos.best_top1 = max(pos.best_top1, val.top1)
+        pos.best_top1 = max(pos.best_top1, val.top1) if val is not None else pos.best_top1
         if steps == self.schedule.steps_per_epoch:  # else train.max_steps cut the epoch short
-            self.position = Position(epoch + 1, 0, pos.global_step, pos.best_top1)
-        for cb in callbacks:
-            cb.on_epoch_end(self, record, val, best)
+            self.position = Position(pos.epoch + 1, 0, pos.global_step, pos.best_top1)
+            self.meter.new_epoch()
+        hooks.on_epoch_end(self, record, val, best)
         return val
+
+def validation(trainer: Trainer) -> tuple[EvalResult, EvalResult | None]:
+    """The epoch's validation of the model, and of its weights' EMA where the run keeps one (with
+    the average swapped in, and rank 0's BatchNorm statistics of it, as checkpoints keep them)."""
+    assert trainer.val_loader is not None
+
+    def run() -> EvalResult:
+        trainer.strategy.agree_buffers(trainer.bare)  # the statistics the epoch's checkpoint holds
+        loader, strategy, flip = trainer.val_loader, trainer.strategy, trainer.schedule.eval_flip
+        return evaluate(trainer.bare, loader, strategy, trainer.clock.tick, flip)  # type: ignore[arg-type]
+
+    if trainer.ema is None:
+        return run(), None
+    own = run()
+    with trainer.ema.swapped_in(trainer.bare):
+        return own, run()

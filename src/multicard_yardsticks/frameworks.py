@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from multicard.bench.measure import StepClock, summary_ms
 from multicard.config import Config
+from multicard.phases import StepClock, summary_ms
 from multicard.process_group import detect_env
 from multicard_yardsticks.plain import device_batches, device_for, model_for, optimizer_for, set_threads
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from multicard.bench.measure import StepClock, summary_ms
 from multicard.config import Config
 from multicard.data.synthetic import make_synthetic
 from multicard.models import build_model
+from multicard.phases import StepClock, summary_ms
 from multicard.process_group import detect_env, threads_per_process
 
 

@@ -75,14 +75,14 @@ def _install() -> None:
 
             Checkpointer.on_stop = on_stop
     elif FAULT == "skip":
-        original_reduce = Trainer._reduce_window
+        original_reduce = Trainer._reduce_statistics
 
-        def reduce_window(self):
+        def reduce_statistics(self):
             if self.position.global_step >= after:
                 _block()  # never enters the all-reduce the other ranks wait in
             return original_reduce(self)
 
-        Trainer._reduce_window = reduce_window
+        Trainer._reduce_statistics = reduce_statistics
 
 
 if FAULT == "slow-start" and ON_THIS_RANK:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from multicard.bench.cells import COMM_STEPS, MULTI_PROCESS, Variant, plan_cells
+from multicard.bench.cells import COMM_STEPS, MULTI_PROCESS, Variant, choose_cells
 from multicard.bench.report import plot, print_table, write_json
 from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
 from multicard.config import load_config
@@ -51,6 +51,7 @@ class BenchOptions:
     steps: int = 30
     repeats: int = 1
     out: str = "runs/bench"
+    logging: bool = False  # multicard's cells with the run's logging callbacks (bench --logging)
 
 
 def environment() -> dict[str, Any]:
@@ -67,7 +68,7 @@ def environment() -> dict[str, Any]:
 
 
 def bench(options: BenchOptions, console: Console | None = None) -> list[dict[str, Any]]:
-    """Plan, run and report the matrix; returns bench.json's rows."""
+    """Choose, run and report the matrix; returns bench.json's rows."""
     console = console or Console(highlight=False)
     if not console.is_terminal:
         console.width = max(console.width, 160)  # a wide table in logs, not a column of ellipses
@@ -81,29 +82,29 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
     if base.data.name == "synthetic":  # generate the images the timed steps read, no more
         base = load_config(options.config, [*options.overrides, f"data.train_size={needed}"], defaults=workload)
     gpus, cores = cuda_count(), cpu_cores()
-    plan = plan_cells(
+    matrix = choose_cells(
         options.runners, options.strategies, options.world_sizes, options.precisions, options.variants, gpus, cores
     )
-    configs = {cell: cell_config(base, cell, gpus, out / "work" / f"cell-{i}") for i, cell in enumerate(plan.cells)}
-    for cell in list(plan.cells):  # what `multicard train` would refuse here is a skipped cell, with its reason
+    configs = {cell: cell_config(base, cell, gpus, out / "work" / f"cell-{i}") for i, cell in enumerate(matrix.cells)}
+    for cell in list(matrix.cells):  # what `multicard train` would refuse here is a skipped cell, with its reason
         try:
             resolve(configs[cell], cell.processes, cell.processes, launched=cell.strategy in MULTI_PROCESS)
         except UserError as exc:
-            plan.cells.remove(cell)
-            plan.skipped.append((cell, str(exc)))
-    timing = Timing(options.warmup, options.steps, options.repeats)
+            matrix.cells.remove(cell)
+            matrix.skipped.append((cell, str(exc)))
+    timing = Timing(options.warmup, options.steps, options.repeats, options.logging)
     console.print(
-        f"multicard bench: {len(plan.cells)} cell(s) × {options.repeats} repeat(s), {len(plan.skipped)} skipped; "
+        f"multicard bench: {len(matrix.cells)} cell(s) × {options.repeats} repeat(s), {len(matrix.skipped)} skipped; "
         f"model={base.model.name} data={base.data.name} global_batch={base.train.global_batch_size} "
-        f"warmup={options.warmup} steps={options.steps}"
+        f"warmup={options.warmup} steps={options.steps}" + (" logging=on" if options.logging else "")
     )
 
     def progress(cell: Any, repeat: int, result: dict[str, Any]) -> None:
         what = f"{result['step_ms']['median']:.1f} ms/step" if "step_ms" in result else result.get("failed")
         console.print(f"  [{repeat + 1}/{options.repeats}] {cell.label}: {what}")
 
-    results = run_matrix(plan.cells, configs, timing, out / "work", progress)
-    rows = make_rows(results, plan.skipped, base.train.global_batch_size, gpus)
+    results = run_matrix(matrix.cells, configs, timing, out / "work", progress)
+    rows = make_rows(results, matrix.skipped, base.train.global_batch_size, gpus)
     out.mkdir(parents=True, exist_ok=True)
     write_json(rows, out / "bench.json")
     (out / "environment.json").write_text(json.dumps({**environment(), "options": _describe(options)}, indent=1))

@@ -1,7 +1,7 @@
 """What `multicard bench` runs: cells of runner × strategy × world size × precision × variant.
 
 A cell is one measurement in fresh processes. Cells that cannot run here (dp without CUDA,
-more processes than devices, a framework that is not installed) are planned as skipped with
+more processes than devices, a framework that is not installed) are listed as skipped with
 the reason, so the table says why a row is empty instead of failing.
 """
 
@@ -68,7 +68,7 @@ class Cell:
 
 
 @dataclass
-class Plan:
+class CellMatrix:
     cells: list[Cell] = field(default_factory=list)
     skipped: list[tuple[Cell, str]] = field(default_factory=list)
 
@@ -106,7 +106,7 @@ def skip_reason(cell: Cell, gpus: int, cpu_cores: int) -> str | None:
     return None
 
 
-def plan_cells(
+def choose_cells(
     runners: list[str],
     strategies: list[str],
     world_sizes: list[int],
@@ -114,13 +114,13 @@ def plan_cells(
     variants: list[Variant],
     gpus: int,
     cpu_cores: int,
-) -> Plan:
+) -> CellMatrix:
     """Every combination that makes sense, in a stable order (runners vary fastest)."""
     _check_choice(runners, RUNNERS, "--runners")
     _check_choice(strategies, STRATEGIES, "--strategies")
     if any(w < 1 for w in world_sizes):
         raise UserError("--world-sizes must be positive integers, e.g. 1,2")
-    plan = Plan()
+    matrix = CellMatrix()
     for precision in precisions:
         for strategy in strategies:
             sizes = [1] if strategy == "single" else world_sizes
@@ -132,7 +132,7 @@ def plan_cells(
                             continue  # variants are multicard's options; other runners have no row
                         reason = skip_reason(cell, gpus, cpu_cores)
                         if reason is None:
-                            plan.cells.append(cell)
+                            matrix.cells.append(cell)
                         else:
-                            plan.skipped.append((cell, reason))
-    return plan
+                            matrix.skipped.append((cell, reason))
+    return matrix

@@ -27,9 +27,13 @@ class BenchStopped(Stopped):
 
 @dataclass(frozen=True)
 class Timing:
+    """How every cell is run: untimed and timed steps, repeats, and whether multicard's cells
+    attach the run's logging (metrics.jsonl, TensorBoard, trackers) as `multicard train` does."""
+
     warmup: int
     steps: int
     repeats: int
+    logging: bool = False
 
 
 def cell_config(base: Config, cell: Cell, gpus: int, out_dir: Path) -> Config:
@@ -51,7 +55,10 @@ def cell_config(base: Config, cell: Cell, gpus: int, out_dir: Path) -> Config:
 
 def run_cell(cell: Cell, cfg: Config, timing: Timing, workdir: Path) -> dict[str, Any]:
     """Launch the cell's processes through torchrun's API; its rank 0's result, or the failure."""
-    spec = {"cell": cell.as_dict(), "config": to_dict(cfg), "warmup": timing.warmup, "steps": timing.steps}
+    spec = {
+        "cell": cell.as_dict(), "config": to_dict(cfg), "warmup": timing.warmup, "steps": timing.steps,
+        "logging": timing.logging,
+    }  # fmt: skip
     code, result = run_spec("multicard.bench.worker", spec, cell.processes, workdir)
     if code in STOPPED_BY_SIGNAL:  # a signal stopped the cell: stop the whole matrix, not just this cell
         raise BenchStopped(code - 128, step=0)

@@ -8,8 +8,8 @@ cell's result as JSON next to the spec.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,40 +17,17 @@ from typing import Any
 import torch
 
 from multicard.bench.cells import COMM_STEPS
-from multicard.bench.measure import (
-    RAW_REPEATS,
-    CommTimer,
-    StepClock,
-    gradient_bytes,
-    held_bytes,
-    optimizer_tensors,
-    raw_allreduce_ms,
-    summary_ms,
-)
-from multicard.config import Config, config_from_dict
+from multicard.bench.probes import CommTimer, gradient_bytes, held_bytes, optimizer_tensors
+from multicard.commands import run_logs
+from multicard.config import Config, config_from_dict, to_yaml
 from multicard.errors import MulticardError
-from multicard.phases import split
+from multicard.phases import RAW_REPEATS, raw_allreduce_ms, summary_ms
+from multicard.preflight import check_extras
 from multicard.process_group import detect_env, die_with_launcher, end_process
 from multicard.session import Session, open_session
+from multicard.step_timer import StepTimer
+from multicard.telemetry import Reporter
 from multicard.trainer import Callback, StepEnd, Trainer, peak_memory_mb
-
-
-class StepTimer(Callback):
-    """Wall time of every optimizer step after `warmup`, and the step's phase split."""
-
-    def __init__(self, device: torch.device, warmup: int) -> None:
-        self.clock = StepClock(device, warmup)
-        self.splits: list[dict[str, float]] = []
-
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
-        timed = self.clock.seen >= self.clock.warmup
-        self.clock()
-        if timed:
-            self.splits.append(split(step.times.seconds()))
-
-    def breakdown(self) -> dict[str, float]:
-        """Median of each part of the split over the timed steps (ms)."""
-        return {k: statistics.median(s[k] for s in self.splits) for k in self.splits[0]} if self.splits else {}
 
 
 class HeldState(Callback):
@@ -96,11 +73,23 @@ def _allreduce(s: Session, start: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[str, Any] | None:
-    with open_session(cfg, detect_env()) as s:
+def run_logs_of(s: Session, stack: contextlib.ExitStack) -> list[Callback]:
+    """The run's logging callbacks as `multicard train` attaches them, writing into the cell's out_dir."""
+    check_extras(s.cfg)
+    out_dir = Path(s.cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reporter = Reporter(s.ctx.is_main)
+    stack.callback(reporter.close)
+    reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=None)
+    reporter.write_text(out_dir / "config.yaml", to_yaml(s.cfg))
+    return run_logs(s.cfg, out_dir, reporter, s.ctx.is_main, resumed_at=None)
+
+
+def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int, logging: bool) -> dict[str, Any] | None:
+    with open_session(cfg, detect_env()) as s, contextlib.ExitStack() as stack:
         timer = StepTimer(s.ctx.device, warmup)
         held = HeldState()
-        s.trainer.fit([timer, held], until=warmup + steps, validate=False)
+        s.trainer.fit([timer, held, *(run_logs_of(s, stack) if logging else [])], until=warmup + steps, validate=False)
         comm = _allreduce(s, warmup + steps, steps) if strategy == "ddp" else None
         peaks = [mb for rank in s.strategy.all_gather_object(peak_memory_mb(s.strategy.devices)) for mb in rank]
         held_per_rank = s.strategy.all_gather_object(held.mib)
@@ -108,8 +97,8 @@ def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int) -> dict[s
         if not s.ctx.is_main:
             return None
         return {
-            "step_ms": summary_ms(timer.clock.times),
-            "times": timer.clock.times,
+            "step_ms": summary_ms(timer.times),
+            "times": timer.times,
             "breakdown": timer.breakdown(),
             "allreduce": comm,
             "peak_mem_mb_per_device": peaks,
@@ -128,10 +117,10 @@ def main(argv: list[str]) -> int:
     warmup, steps = spec["warmup"], spec["steps"]
     if runner == "multicard":
         try:
-            result = run_multicard(cfg, strategy, warmup, steps)
+            result = run_multicard(cfg, strategy, warmup, steps, spec.get("logging", False))
         except MulticardError as exc:  # said in one line, and the cell's row gives the reason
             print(f"multicard bench: {exc}", file=sys.stderr)
-            if detect_env().rank == 0:
+            if detect_env().is_main:
                 Path(spec["result"]).write_text(json.dumps({"failed": str(exc)}))
             return exc.exit_code
     elif runner == "plain":

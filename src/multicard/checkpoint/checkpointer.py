@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding st
     from multicard.strategy import Strategy
 
 FORMATS = {"file": SingleFile(), "sharded": Sharded()}
+# The parts of the trainer's state a checkpoint holds at its top level (what eval, export and
+# fine-tuning read); the rest (position, random streams) is under "resume", with the run's facts.
+TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "ema")  # ema: where the run keeps one
 
 
 def format_of(path: Path) -> Any:
@@ -214,8 +217,7 @@ class Checkpointer(Callback):
         if stretched is not None:
             self.say(stretched)
         state = fmt.read(path, trainer.state_dict() if fmt.needs_template else None)
-        parts = {k: state[k] for k in ("model", "optimizer", "scheduler", "scaler")}
-        trainer.load_state_dict({**parts, **state["resume"]})
+        trainer.load_state_dict({**{k: state[k] for k in TOP_LEVEL if k in state}, **state["resume"]})
         self.last_saved = (trainer.position.global_step, path)
         return state
 
@@ -237,10 +239,9 @@ class Checkpointer(Callback):
             "step": pos.global_step,
             "epoch": pos.epoch - (1 if pos.step_in_epoch == 0 else 0),
             "val": val.as_dict() if val is not None else None,
-            **{k: state[k] for k in ("model", "optimizer", "scheduler", "scaler")},
+            **{k: state[k] for k in TOP_LEVEL if k in state},
             "resume": {
-                "position": state["position"],
-                "rng": state["rng"],
+                **{k: v for k, v in state.items() if k not in TOP_LEVEL},  # position, rng
                 "steps_per_epoch": self.run.steps_per_epoch,
                 "world_size": self.run.world_size,
             },

@@ -29,7 +29,7 @@ PREFIX = "step-"
 COMPLETE = "COMPLETE"  # written last, by rank 0, after every shard and train_state.pt
 TRAIN_STATE = "train_state.pt"
 INCOMPLETE = ".incomplete"  # suffix of a step directory being written
-TENSORS = ("model", "optimizer")  # what DCP shards; everything else is in train_state.pt
+TENSORS = ("model", "optimizer", "ema")  # what DCP shards (ema: where the run keeps one); the rest: train_state.pt
 
 
 def _digits(path: Path) -> str:
@@ -99,7 +99,7 @@ class Sharded:
                 shutil.rmtree(tmp, ignore_errors=True)  # the other ranks, waiting below, lose rank 0 and end
                 raise
         ctx.barrier()
-        tensors = {k: state[k] for k in TENSORS}
+        tensors = {k: state[k] for k in TENSORS if k in state}
         # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
         dcp = _dcp()
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
@@ -145,13 +145,14 @@ class Sharded:
 
     def read(self, path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
         """The checkpoint with its tensors: loaded into `template`'s (model, optimizer) layout, or
-        without one as whole CPU tensors of the model alone (eval, export, fine-tuning)."""
+        without one as whole CPU tensors of the model (and its EMA) alone (eval, export, fine-tuning)."""
         meta = self.read_meta(path)
         path = self._complete(path)
-        if template is None:
-            tensors = {"model": self._whole_tensors(path, "model", device="cpu")}
+        if template is None:  # the model and, where the run kept one, its weights' EMA
+            whole = {key: self._whole_tensors(path, key, device="cpu") for key in ("model", "ema")}
+            tensors = {key: value for key, value in whole.items() if value}
         else:
-            tensors = {k: template[k] for k in TENSORS}
+            tensors = {k: template[k] for k in TENSORS if k in template}
         dcp = _dcp()
         try:
             with warnings.catch_warnings():

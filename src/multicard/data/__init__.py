@@ -16,9 +16,12 @@ from multicard.data.decode_choice import check_decode, choose_decode
 from multicard.data.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
 from multicard.data.device_transform import Augment, DeviceTransform
 from multicard.data.gpu_decode import GpuDecode
-from multicard.data.jpeg_plan import JpegPlan, collate_encoded
+from multicard.data.jpeg_crop import JpegTransform, collate_encoded
 from multicard.data.loaders import EvalLoader, TrainLoader
-from multicard.data.sampling import BatchPlan, ShardedBatchSampler
+from multicard.data.policies import sample_policy
+from multicard.data.progressive import ProgressiveSize, progressive_size
+from multicard.data.sampling import BatchSplit, ShardedBatchSampler
+from multicard.data.shards import order_of, shard_splits
 from multicard.data.sources import (
     Files,
     InMemory,
@@ -33,7 +36,7 @@ from multicard.data.sources import (
 from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
 from multicard.data.user import decode_items, function_splits
-from multicard.data.workers import WorkerEvalLoader, WorkerTrainLoader
+from multicard.data.workers import Transform, WorkerEvalLoader, WorkerTrainLoader
 from multicard.errors import UserError
 from multicard.host_memory import available_memory
 from multicard.process_group import ProcessContext, cpu_cores
@@ -78,6 +81,8 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         splits = cifar10(Path(d.root), d.download)
     elif ":" in d.name:
         splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
+    elif d.name == "shards":
+        splits = shard_splits(Path(d.root), d.reads_in_flight)
     elif d.name == "hf":
         from multicard.data.hf import hf_splits  # imports the optional datasets package
 
@@ -104,22 +109,30 @@ def check_synthetic_fits(d: DataConfig) -> None:
 
 
 def choose_loader(d: DataConfig, splits: Splits, device: torch.device, local_world_size: int) -> str:
-    """auto: the device loader when images are small and the decoded set fits a share of memory."""
+    """This rank's loader: data.loader, or auto's choice (loader_for) for this device's memory."""
     if d.loader == "device" and not is_small(d.image_size):
         raise UserError(
             f"data.loader=device keeps images of up to 64 px decoded; data.image_size={d.image_size} "
             f"needs data.loader=workers (or auto)"
         )
-    if d.loader != "auto":
-        return d.loader
-    if not is_small(d.image_size):
-        return "workers"
+    if d.loader != "auto" or not is_small(d.image_size):
+        return loader_for(d, 0, 0)  # the rule needs no sizes here
     needed = (len(splits.train) + len(splits.val)) * 3 * d.image_size**2
     if device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
     else:
         budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_world_size
-    return "device" if needed * MEMORY_SHARE <= budget else "workers"
+    return loader_for(d, needed, budget)
+
+
+def loader_for(d: DataConfig, decoded_bytes: float, device_bytes: float) -> str:
+    """data.loader=auto's rule: the device loader when images are small and the decoded set
+    (`decoded_bytes`) fits a share of the device's memory (`device_bytes`); else the workers."""
+    if d.loader != "auto":
+        return d.loader
+    if not is_small(d.image_size):
+        return "workers"
+    return "device" if decoded_bytes * MEMORY_SHARE <= device_bytes else "workers"
 
 
 def _in_memory(source: Source, size: int, cache_dir: Path | None, write: bool, role: str) -> InMemory:
@@ -150,25 +163,41 @@ def loader_processes(requested: int, ctx: ProcessContext) -> int:
     return requested
 
 
-def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessContext) -> Data:
-    """Training (when `plan` is given) and validation loaders for this rank.
+def worker_transforms(d: DataConfig, seed: int, sizes: ProgressiveSize | None) -> tuple[Transform, Transform]:
+    """What the workers loader's processes do to each training and evaluation image."""
+    eval_size = d.eval_size or d.image_size
+    small = is_small(d.image_size)
+    eval_tf = FitSquare(d.image_size) if small else FitSquare(eval_size, d.eval_resize or round(eval_size * 8 / 7))
+    if small or (not d.augment and eval_size == d.image_size):
+        return eval_tf, eval_tf
+    if not d.augment:  # training images at their own size, though evaluated at another
+        return FitSquare(d.image_size, round(d.image_size * 8 / 7)), eval_tf
+    return RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=seed, sizes=sizes), eval_tf
+
+
+def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: ProcessContext) -> Data:
+    """Training (when `batch_split` is given) and validation loaders for this rank.
 
     The device loader decodes image files once per machine: local rank 0 decodes (or reads the
     cache) and fills the cache first, then the other local ranks read it.
     """
     check_decode(d.decode, ctx.device.type == "cuda")  # before reading anything
-    splits = read_splits(d, seed, need_train=plan is not None)
+    splits = read_splits(d, seed, need_train=batch_split is not None)
     kind = choose_loader(d, splits, ctx.device, ctx.local_world_size)
     small = is_small(d.image_size)
     augment = Augment(d.crop_padding, flip=True) if d.augment and small else None
-    train_finish = DeviceTransform(d.mean, d.std, ctx.device, augment, seed)
+    sizes = progressive_size(d)
+    train_finish = DeviceTransform(d.mean, d.std, ctx.device, augment, seed, sample_policy(d, seed), sizes)
     eval_finish = DeviceTransform(d.mean, d.std, ctx.device, None, seed)
-    sampler = ShardedBatchSampler(len(splits.train), plan, ctx.rank, seed) if plan is not None else None
+    order = order_of(splits.train, d.order)  # data.order=local: runs of neighbours in the shards (data/shards.py)
+    sampler = (
+        ShardedBatchSampler(len(splits.train), batch_split, ctx.rank, seed, d.repeats, order) if batch_split else None
+    )
     classes, num_classes = splits.classes, len(splits.classes)
 
     if kind == "device":
         cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        parts = {"val": splits.val} if plan is None else {"train": splits.train, "val": splits.val}
+        parts = {"val": splits.val} if batch_split is None else {"train": splits.train, "val": splits.val}
         # Local rank 0 fills the cache of decoded files first; items have no cache: every rank decodes at once.
         cached = any(isinstance(src, Files) for src in parts.values())
         with ctx.local_main_first() if cached else contextlib.nullcontext():
@@ -184,18 +213,16 @@ def build_data(d: DataConfig, seed: int, plan: BatchPlan | None, ctx: ProcessCon
         return Data(train, val, num_classes, classes, kind)
 
     workers = loader_processes(d.num_workers, ctx)
-    eval_resize = d.eval_resize or round(d.image_size * 8 / 7)
-    eval_tf = FitSquare(d.image_size) if small else FitSquare(d.image_size, eval_resize)
-    if small or not d.augment:
-        train_tf = eval_tf
-    else:
-        train_tf = RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=seed)
+    train_tf, eval_tf = worker_transforms(d, seed, sizes)
+    eval_size = d.eval_size or d.image_size
     collate = None
     if choose_decode(d.decode, kind, splits, d.image_size, ctx.device) == "gpu":
         # Workers read the files and plan the crops; nvjpeg decodes and the GPU crops (data/gpu_decode.py).
-        train_tf, eval_tf = JpegPlan(train_tf), JpegPlan(eval_tf)
-        train_finish = GpuDecode(d.mean, d.std, ctx.device, seed, d.image_size)
-        eval_finish = GpuDecode(d.mean, d.std, ctx.device, seed, d.image_size)
+        train_tf, eval_tf = JpegTransform(train_tf), JpegTransform(eval_tf)
+        train_finish = GpuDecode(
+            d.mean, d.std, ctx.device, seed, d.image_size, policy=sample_policy(d, seed), sizes=sizes
+        )
+        eval_finish = GpuDecode(d.mean, d.std, ctx.device, seed, eval_size)
         collate = collate_encoded
     val = WorkerEvalLoader(
         splits.val, eval_tf, d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish, workers, seed, collate

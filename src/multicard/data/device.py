@@ -46,8 +46,8 @@ class DeviceTrainLoader(SampledTrainLoader):
         pass
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for indices in self.sampler:
-            yield self.finish(*self.data.gather(indices), indices, self.sampler.epoch)
+        for indices in self.sampler:  # a repeated copy (data.repeats) reads its sample, keys its own draws
+            yield self.finish(*self.data.gather(indices % self.sampler.num_samples), indices, self.sampler.epoch)
 
 
 class DeviceEvalLoader:

@@ -1,5 +1,5 @@
 """data.decode=gpu, the training process's side: nvjpeg decodes a batch of JPEGs on the GPU, where
-each is cropped, resized, centre-cropped and flipped as its worker planned (jpeg_plan.py).
+each is cropped, resized, centre-cropped and flipped as its worker chose (jpeg_crop.py).
 
 Resizing is bilinear and antialiased (torch's kernel, as the CPU path's), in float, so the batch
 never leaves the GPU between decoding and normalisation. A batch nvjpeg refuses (it decodes
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from multicard.data.decode import resize_ops
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.encoded import EncodedImage
-from multicard.data.jpeg_plan import Crop, EncodedBatch
+from multicard.data.jpeg_crop import Crop, EncodedBatch
+from multicard.data.policies import SamplePolicy
+from multicard.data.progressive import ProgressiveSize
 
 # torchvision 0.29 deprecates its image decoders in favour of TorchCodec's; its nvjpeg path is the
 # one every CUDA build of torchvision ships, so it is used with exactly that warning silenced.
@@ -63,9 +65,9 @@ class GpuDecode(DeviceTransform):
 
     def __init__(
         self, mean: Sequence[float], std: Sequence[float], device: torch.device, seed: int, size: int,
-        decode: Decoder = nvjpeg,
+        decode: Decoder = nvjpeg, policy: SamplePolicy | None = None, sizes: ProgressiveSize | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(mean, std, device, None, seed)
+        super().__init__(mean, std, device, None, seed, policy, sizes)
         self.size = size
         self.decode = decode
         self.fell_back = False

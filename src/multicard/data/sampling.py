@@ -9,7 +9,7 @@ batch is dropped, with a fresh permutation each epoch).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from multicard.errors import UserError
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     """Global batch → per-process micro-batch; derived once, here."""
 
     global_batch: int
@@ -49,20 +49,38 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=g)
 
 
+def repeated_order(perm: torch.Tensor, global_batch: int, repeats: int) -> torch.Tensor:
+    """Repeated augmentation: each global batch holds global_batch/repeats samples of `perm`, in
+    order, `repeats` times; copy j of sample i is named j·N + i (its augmentation differs) and
+    stands global_batch/repeats positions after copy j-1, so the copies fall on different ranks
+    and never form a mixing pair. The epoch keeps its number of steps (it sees 1/repeats of the
+    samples), as torchvision's and DeiT's repeated-augmentation samplers keep it."""
+    num_samples, distinct = len(perm), global_batch // repeats
+    steps = num_samples // global_batch
+    chosen = perm[: steps * distinct].view(steps, 1, distinct)
+    copies = torch.arange(repeats).view(1, repeats, 1) * num_samples
+    return (chosen + copies).reshape(-1)
+
+
 class ShardedBatchSampler:
     """Yields this rank's index tensor for each micro-step of an epoch."""
 
-    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int) -> None:
+    def __init__(
+        self, num_samples: int, split: BatchSplit, rank: int, seed: int, repeats: int = 1,
+        order: Callable[[int, int, int], torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
         self.num_samples = num_samples
-        self.plan = plan
+        self.split = split
         self.rank = rank
         self.seed = seed
+        self.repeats = repeats
+        self.order = order or epoch_permutation  # (num_samples, seed, epoch) → the epoch's order (data.order)
         self.epoch = 0
         self.start_step = 0  # optimizer steps of this epoch already done (for resuming)
-        if plan.steps_per_epoch(num_samples) == 0:
+        if split.steps_per_epoch(num_samples) == 0:
             raise UserError(
                 f"the training set has {num_samples} samples, fewer than one global batch of "
-                f"{plan.global_batch}; lower train.global_batch_size"
+                f"{split.global_batch}; lower train.global_batch_size"
             )
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
@@ -70,17 +88,19 @@ class ShardedBatchSampler:
         self.start_step = start_step
 
     def __len__(self) -> int:
-        steps = self.plan.steps_per_epoch(self.num_samples) - self.start_step
-        return steps * self.plan.grad_accum
+        steps = self.split.steps_per_epoch(self.num_samples) - self.start_step
+        return steps * self.split.grad_accum
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        perm = epoch_permutation(self.num_samples, self.seed, self.epoch)
-        plan = self.plan
-        slice_size = plan.global_batch // plan.grad_accum
-        for step in range(self.start_step, plan.steps_per_epoch(self.num_samples)):
-            for micro in range(plan.grad_accum):
-                start = step * plan.global_batch + micro * slice_size + self.rank * plan.micro_batch
-                yield perm[start : start + plan.micro_batch]
+        perm = self.order(self.num_samples, self.seed, self.epoch)
+        split = self.split
+        if self.repeats > 1:
+            perm = repeated_order(perm, split.global_batch, self.repeats)
+        slice_size = split.global_batch // split.grad_accum
+        for step in range(self.start_step, split.steps_per_epoch(self.num_samples)):
+            for micro in range(split.grad_accum):
+                start = step * split.global_batch + micro * slice_size + self.rank * split.micro_batch
+                yield perm[start : start + split.micro_batch]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> range:

@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from multicard.config import SMALL_IMAGE_MAX
 from multicard.data.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
 from multicard.data.decode import fit_square, resize_ops
 from multicard.data.encoded import EncodedImage
+from multicard.data.progressive import ProgressiveSize
 
-SMALL_IMAGE_MAX = 64  # images up to this side use the small-image recipe (crop with padding)
 MAX_REDUCE = 8  # libjpeg scales by 1/2, 1/4 or 1/8 in the DCT domain
 
 # What a source hands a transform: pixels (3, H, W) of an in-memory set, or a file not yet decoded.
@@ -103,19 +104,23 @@ class FitSquare:
 class RandomResizedCropFlip:
     """Training transform for large images, reproducible per (seed, epoch, index)."""
 
-    def __init__(self, size: int, scale: tuple[float, float], flip: bool, seed: int) -> None:
+    def __init__(
+        self, size: int, scale: tuple[float, float], flip: bool, seed: int, sizes: ProgressiveSize | None = None
+    ) -> None:
         self.size = size
         self.scale = (float(scale[0]), float(scale[1]))
         self.flip = flip
         self.seed = seed
+        self.sizes = sizes  # progressive resizing: the epoch's size instead of `size`
 
     def __call__(self, image: Picture, epoch: int, index: int) -> torch.Tensor:
+        size = self.sizes(epoch) if self.sizes is not None else self.size
         uniforms = crop_uniforms(self.seed, epoch, index)
         box = random_resized_box(*picture_size(image), self.scale, uniforms)
-        reduce = reduction(image, min(box.width, box.height) / self.size)
+        reduce = reduction(image, min(box.width, box.height) / size)
         if reduce > 1:  # the box's corners fall between reduced pixels: map them exactly
             pixels, reduce = image.decode(reduce)
-            out = resample_region(pixels, tuple(v / reduce for v in box.corners), self.size, self.size)
+            out = resample_region(pixels, tuple(v / reduce for v in box.corners), size, size)
         else:
-            out = resample(crop(image, box), self.size, self.size)
+            out = resample(crop(image, box), size, size)
         return out.flip(-1) if self.flip and flips(uniforms) else out

@@ -24,13 +24,14 @@ from multicard.data.decode import read_image
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.loaders import SampledTrainLoader
 from multicard.data.sampling import ShardedBatchSampler, eval_shard
+from multicard.data.shards import prefetch_items
 from multicard.data.sources import Files, Items, Source
 from multicard.data.transforms import Picture
 from multicard.data.user import read_item
 from multicard.errors import UserError
 
 # (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image (or, under
-# data.decode=gpu, a JPEG's bytes with its crop: jpeg_plan.JpegPlan)
+# data.decode=gpu, a JPEG's bytes with its crop: jpeg_crop.JpegTransform)
 Transform = Callable[[Picture, int, int], Any]
 
 
@@ -45,15 +46,23 @@ class SourceImages(Dataset):
         return len(self.source)
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`index` may name a repeated copy (data.repeats: copy j of sample i is j·N + i): the copy
+        keys the augmentation, the sample is read."""
         epoch, index = key
         src = self.source
+        sample = index % len(src)
         if isinstance(src, Items):
-            image, label = read_item(src, index)
+            image, label = read_item(src, sample)
         elif isinstance(src, Files):
-            image, label = read_image(src.root / src.paths[index]), src.labels[index]
+            image, label = read_image(src.root / src.paths[sample]), src.labels[sample]
         else:
-            image, label = src.images[index], src.labels[index]
+            image, label = src.images[sample], src.labels[sample]
         return self.transform(image, epoch, index), label, index
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """A batch (DataLoader asks for one at a time): packed shards first fetch its bytes together."""
+        prefetch_items(self.source, [index % len(self.source) for _, index in keys])
+        return [self[key] for key in keys]
 
 
 class _Keys:
@@ -123,7 +132,7 @@ def _data_loader(
         dataset,
         batch_sampler=keys,
         num_workers=num_workers,
-        collate_fn=collate,  # None: torch's default; data.decode=gpu: encoded JPEGs (jpeg_plan.collate_encoded)
+        collate_fn=collate,  # None: torch's default; data.decode=gpu: encoded JPEGs (jpeg_crop.collate_encoded)
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
         worker_init_fn=partial(_init_worker, seed, rank) if num_workers > 0 else None,

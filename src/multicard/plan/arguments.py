@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from multicard.errors import UserError
+from multicard.plan.candidates import CANDIDATES, DEFAULT_HEADROOM
 from multicard.plan.hardware import known_names
 from multicard.plan.links import LINKS
-from multicard.plan.strategies import CANDIDATES, DEFAULT_HEADROOM
 
 SUMMARY = "per-device memory and step time of each strategy on a named GPU, before renting it"
 
@@ -31,6 +32,41 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine's rates first and store them")
     p.add_argument("--out", default="runs/plan", help="where plan.json and plan.png go (default runs/plan)")
     return p
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What `multicard plan` was asked for (its flags, checked)."""
+
+    config: str | None
+    overrides: list[str]
+    gpu: str | None
+    memory_gb: float | None
+    gpus: int
+    nodes: int
+    interconnect: str | None
+    headroom: float
+    json: bool
+    measure: bool
+    steps: int
+    strategies: list[str] | None  # --measure: only these candidates
+    calibrate: bool
+    out: str
+
+    @property
+    def plans(self) -> bool:
+        """A plan is written (not only a calibration)."""
+        return self.gpu is not None or self.memory_gb is not None
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    check_args(args)
+    return PlanOptions(
+        config=args.config, overrides=args.overrides, gpu=args.gpu, memory_gb=args.memory_gb, gpus=args.gpus,
+        nodes=args.nodes, interconnect=args.interconnect, headroom=args.headroom, json=args.json,
+        measure=args.measure, steps=args.steps, strategies=[k for k in (args.strategies or "").split(",") if k] or None,
+        calibrate=args.calibrate, out=args.out,
+    )  # fmt: skip
 
 
 def check_args(args: argparse.Namespace) -> None:

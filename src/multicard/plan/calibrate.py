@@ -1,4 +1,5 @@
-"""This machine's achievable rates, measured once and stored for planning on it (`--calibrate`).
+"""This machine's achievable rates, measured once for planning on it (`--calibrate`; the stored
+record: calibration.py).
 
 A CPU step costs FLOPs / R + bytes / BW, and its writes into new tensors large enough to be
 fresh mappings cost 1 / BW_fresh instead of 1 / BW (timing.Rates):
@@ -25,23 +26,27 @@ where possible, what a training process needs besides tensors (its peak charge �
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from functools import partial
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from multicard.data.decode import default_cache_dir
+from multicard.config import Config, load_config
+from multicard.plan import cgroup_cap
+from multicard.plan.calibration import RATE_KEYS, Calibration, machine_id
+from multicard.plan.dataset import data_facts
+from multicard.plan.measure import Measured, run_alone, run_steps
+from multicard.plan.memory import Layout, peak
+from multicard.plan.ops import CONV
+from multicard.plan.step_model import StepModel, step_model
+from multicard.plan.timing import Net, Rates, step_time
 from multicard.process_group import cpu_cores
 
 WORKLOAD = [  # the fit's model: convolutions, norms and pointwise ops in the mix of real nets
@@ -59,81 +64,9 @@ WORKLOAD_BATCH = 8
 RUNTIME_WORKLOAD = ["model.name=smallcnn", "data.image_size=64", "data.val_size=16", "data.loader=device",
                     "train.global_batch_size=64", "data.train_size=512", "strategy=single", "devices=cpu"]  # fmt: skip
 ALLREDUCE_BYTES = [1 << 20, 16 << 20, 64 << 20]
-RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "grouped_backward_flops", "transcendental", "bandwidth",
-             "norm_bandwidth", "fresh_bandwidth")  # fmt: skip
 # Depthwise convolutions of an EfficientNet's (channels, size, kernel, stride): their forward
 # and backward run at rates of their own on a CPU, the backward's well below the forward's.
 DEPTHWISE = [(96, 56, 3, 1), (240, 28, 5, 1), (672, 14, 5, 1), (1152, 7, 3, 1)]
-
-
-def calibration_path() -> Path:
-    return default_cache_dir() / "calibration.json"
-
-
-def machine_id() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {cpu_cores()} cores, torch {torch.__version__}"
-
-
-@dataclass
-class Calibration:
-    DEFAULT_RUNTIME: ClassVar[int] = 600 * 2**20  # uncalibrated guess: interpreter, torch, allocator slack
-
-    machine: str
-    rates: dict[int, dict[str, float]]  # threads per process -> RATE_KEYS
-    allreduce_bus_bandwidth: float  # gloo between this machine's processes, bytes/s
-    allreduce_latency: float
-    runtime_bytes: int  # a training process besides tensors (batches made on the device)
-    runtime_workers_bytes: int = 0  # the same with the workers loader (PIL, transforms, DataLoader)
-    fsdp_unit_s: float = 0.0
-    date: str = ""
-    calibrated: bool = True
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def default(cls) -> Calibration:
-        """Rough rates of a recent x86 core, used until `--calibrate` has run here."""
-        rates = {1: {"flops": 40e9, "matmul_flops": 40e9, "grouped_flops": 4e9, "grouped_backward_flops": 2e9,
-                     "transcendental": 1e9, "bandwidth": 10e9, "norm_bandwidth": 4e9,
-                     "fresh_bandwidth": 3e9}}  # fmt: skip
-        return cls("uncalibrated", rates, 1e9, 100e-6, cls.DEFAULT_RUNTIME, cls.DEFAULT_RUNTIME, 0.02, calibrated=False)
-
-    def rates_for(self, threads: int) -> dict[str, float]:
-        """The rates at `threads`, linear in threads between (and beyond) the measured counts."""
-        if threads in self.rates:
-            return self.rates[threads]
-        known = sorted(self.rates)
-        lo = max([t for t in known if t <= threads], default=known[0])
-        hi = min([t for t in known if t >= threads], default=known[-1])
-        if lo == hi:
-            return {k: v * threads / lo for k, v in self.rates[lo].items()}
-        w = (threads - lo) / (hi - lo)
-        return {k: self.rates[lo][k] + w * (self.rates[hi][k] - self.rates[lo][k]) for k in RATE_KEYS}
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> Calibration | None:
-        """The stored calibration if it was made on this machine (same CPU, cores and torch)."""
-        try:
-            data = json.loads(path.read_text())
-            data["rates"] = {int(k): {r: float(v.get(r, 0.0)) for r in RATE_KEYS}  # older files lack some (0: unused)
-                             for k, v in data["rates"].items()}  # fmt: skip
-            cal = cls(**data)
-        except (OSError, ValueError, TypeError, KeyError):
-            return None
-        return cal if cal.machine == machine_id() else None
 
 
 def _best_seconds(fn: Any, repeats: int) -> float:
@@ -224,29 +157,17 @@ def _flops(fn: Any) -> float:
     return float(counter.get_total_flops())
 
 
-def _workload(processes: int, strategy: str, threads: int) -> Any:
-    from multicard.config import load_config
-
+def _workload(processes: int, strategy: str, threads: int) -> Config:
     return load_config(None, [*WORKLOAD, f"strategy={strategy}", "devices=cpu", f"threads={threads}",
                               f"train.global_batch_size={WORKLOAD_BATCH * processes}",
                               f"data.train_size={WORKLOAD_BATCH * processes * 8}"])  # fmt: skip
 
 
-def calibrate(say: Any = print) -> Calibration:
+def calibrate(say: Callable[[str], Any] = print) -> Calibration:
     """Measure this machine (a few minutes on 2 cores) and return the calibration."""
-    from multicard.config import load_config
-    from multicard.plan.measure import run_steps
-    from multicard.plan.scaling import step_model
-    from multicard.plan.timing import Net, Rates, step_time
-    from multicard.plan.tracker import CONV
-
     cores = cpu_cores()
     cal = Calibration(machine_id(), {}, 1e9, 1e-6, Calibration.DEFAULT_RUNTIME)
     model = step_model(_workload(1, "single", cores), 10)
-    flops = float(model.flops.at(WORKLOAD_BATCH).sum())
-    conv_flops = float(model.flops.at(WORKLOAD_BATCH)[model.kind == CONV].sum())
-    moved = float(model.moved.at(WORKLOAD_BATCH).sum())
-    fresh = float(model.fresh.at(WORKLOAD_BATCH).sum())
     for processes in sorted({1, cores}):
         threads = max(1, cores // processes)
         micro = microbenchmarks(threads)
@@ -255,64 +176,74 @@ def calibrate(say: Any = print) -> Calibration:
             f"{micro['grouped_backward_flops'] / 1e9:.1f}) GFLOP/s, memory {micro['bandwidth'] / 1e9:.1f} GB/s, "
             f"batch norm {micro['norm_bandwidth'] / 1e9:.1f} GB/s, fresh pages {micro['fresh_bandwidth'] / 1e9:.1f} "
             f"GB/s; timing steps of resnet18 at 224 px")  # fmt: skip
-        if processes == 1:
-            cfg = _workload(1, "single", threads)
-            measured, cal.runtime_workers_bytes = _alone(cfg, model, WORKLOAD_BATCH)
-            small = load_config(None, RUNTIME_WORKLOAD)
-            _, cal.runtime_bytes = _alone(small, step_model(small, 10), small.train.global_batch_size)
-        else:
-            measured = run_steps(_workload(processes, "ddp", threads), processes, steps=4,
-                                 allreduce_bytes=ALLREDUCE_BYTES, profile_memory=False)  # fmt: skip
-            if measured.allreduce_ms:
-                cal.allreduce_bus_bandwidth, cal.allreduce_latency = _fit_allreduce(measured.allreduce_ms, processes)
-                cal.details["allreduce_ms"] = measured.allreduce_ms
+        measured = _measure_workload(cal, model, processes, threads)
         if not measured.ok:
             raise RuntimeError(f"calibration run failed: {measured.reason}")
-        split = measured.split_min_ms  # the fastest step: least disturbed by other work on the machine
-        step_s = (split["compute_ms"] + split["optimizer_ms"]) / 1000  # batches are made apart (no workers)
-        measured_rates = {k: micro[k] for k in RATE_KEYS if k != "flops"}
-        others = Rates.cpu("fp32", {"flops": 1.0, **measured_rates}).op_seconds(
-            np.where(model.kind == CONV, 0.0, model.flops.at(WORKLOAD_BATCH)),
-            model.moved.at(WORKLOAD_BATCH),
-            model.kind,
-            model.fresh.at(WORKLOAD_BATCH),
-            model.elements.at(WORKLOAD_BATCH),
-        )
-        left = step_s - float(others.sum())  # what is not convolution arithmetic
-        fitted = conv_flops / left if left > 0 else 0.0
-        r = micro["conv"]
-        conv = fitted if r / 2 <= fitted <= 4 * r else r  # else the step was disturbed: the single conv's rate
-        say(f"calibrate: convolution {conv / 1e9:.1f} GFLOP/s in resnet18 (one 3×3 alone: {r / 1e9:.1f})")
-        cal.rates[threads] = {"flops": conv, **measured_rates}
-        cal.details[f"{processes}x{threads}"] = {"step_s": step_s, "gflop": flops / 1e9, "gb_moved": moved / 1e9,
-                                                 "gb_fresh": fresh / 1e9}  # fmt: skip
-    if cores > 1:  # FSDP's own cost per unit: what its measured step has beyond the model
-        threads = max(1, cores // cores)
-        cfg = _workload(cores, "fsdp", threads)
-        say(f"calibrate: {cores} processes, fsdp: timing steps of resnet18 at 224 px")
-        measured = run_steps(cfg, cores, steps=4, profile_memory=False)
-        if measured.ok:
-            rates = cal.rates[threads]
-            modelled = step_time(model, "fsdp", Rates.cpu("fp32", rates),
-                                 Net(cal.allreduce_bus_bandwidth, cal.allreduce_latency, overlaps=False),
-                                 WORKLOAD_BATCH, 1, cores, 1)  # fmt: skip
-            units = max(1, len(model.trace.units))
-            cal.fsdp_unit_s = max(0.0, (measured.step_min_s - modelled.total_s) / units)
-            cal.details["fsdp"] = {"step_s": measured.step_min_s, "modelled_s": modelled.total_s}
+        _fit_conv_rate(cal, model, micro, measured, f"{processes}x{threads}", threads, say)
+    if cores > 1:
+        _fit_fsdp_unit(cal, model, cores, say)
     cal.date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return cal
 
 
-def _alone(cfg: Any, model: Any, batch: int) -> tuple[Any, int]:
+def _measure_workload(cal: Calibration, model: StepModel, processes: int, threads: int) -> Measured:
+    """Real steps of the workload: alone in one process (also giving what a process needs besides
+    tensors), or ddp over `processes` (also giving gloo's all-reduce rate)."""
+    if processes == 1:
+        measured, cal.runtime_workers_bytes = _alone(_workload(1, "single", threads), model, WORKLOAD_BATCH)
+        small = load_config(None, RUNTIME_WORKLOAD)
+        _, cal.runtime_bytes = _alone(small, step_model(small, 10), small.train.global_batch_size)
+        return measured
+    measured = run_steps(_workload(processes, "ddp", threads), processes, steps=4,
+                         allreduce_bytes=ALLREDUCE_BYTES, profile_memory=False)  # fmt: skip
+    if measured.allreduce_ms:
+        cal.allreduce_bus_bandwidth, cal.allreduce_latency = _fit_allreduce(measured.allreduce_ms, processes)
+        cal.details["allreduce_ms"] = measured.allreduce_ms
+    return measured
+
+
+def _fit_conv_rate(cal: Calibration, model: StepModel, micro: dict[str, float], measured: Measured, name: str,
+                   threads: int, say: Callable[[str], Any]) -> None:  # fmt: skip
+    """The convolution rate at `threads`: the workload's convolution FLOPs over what remains of its
+    fastest measured step after the other (micro-benchmarked) terms."""
+    n = WORKLOAD_BATCH
+    split = measured.split_min_ms  # the fastest step: least disturbed by other work on the machine
+    step_s = (split["compute_ms"] + split["optimizer_ms"]) / 1000  # batches are made apart (no workers)
+    measured_rates = {k: micro[k] for k in RATE_KEYS if k != "flops"}
+    others = Rates.cpu("fp32", {"flops": 1.0, **measured_rates}).op_seconds(
+        np.where(model.kind == CONV, 0.0, model.flops.at(n)), model.moved.at(n), model.kind, model.fresh.at(n),
+        model.elements.at(n),
+    )
+    left = step_s - float(others.sum())  # what is not convolution arithmetic
+    fitted = float(model.flops.at(n)[model.kind == CONV].sum()) / left if left > 0 else 0.0
+    r = micro["conv"]
+    conv = fitted if r / 2 <= fitted <= 4 * r else r  # else the step was disturbed: the single conv's rate
+    say(f"calibrate: convolution {conv / 1e9:.1f} GFLOP/s in resnet18 (one 3×3 alone: {r / 1e9:.1f})")
+    cal.rates[threads] = {"flops": conv, **measured_rates}
+    cal.details[name] = {"step_s": step_s, "gflop": float(model.flops.at(n).sum()) / 1e9,
+                         "gb_moved": float(model.moved.at(n).sum()) / 1e9,
+                         "gb_fresh": float(model.fresh.at(n).sum()) / 1e9}  # fmt: skip
+
+
+def _fit_fsdp_unit(cal: Calibration, model: StepModel, processes: int, say: Callable[[str], Any]) -> None:
+    """FSDP's own cost per unit and micro-step: what its measured step has beyond the model, with
+    a thread per process (as the ddp run measured the rates)."""
+    say(f"calibrate: {processes} processes, fsdp: timing steps of resnet18 at 224 px")
+    measured = run_steps(_workload(processes, "fsdp", 1), processes, steps=4, profile_memory=False)
+    if not measured.ok:
+        return
+    net = Net(cal.allreduce_bus_bandwidth, cal.allreduce_latency, overlaps=False)
+    modelled = step_time(model, "fsdp", Rates.cpu("fp32", cal.rates[1]), net, WORKLOAD_BATCH, 1, processes, 1)
+    units = max(1, len(model.trace.units))
+    cal.fsdp_unit_s = max(0.0, (measured.step_min_s - modelled.total_s) / units)
+    cal.details["fsdp"] = {"step_s": measured.step_min_s, "modelled_s": modelled.total_s}
+
+
+def _alone(cfg: Config, model: StepModel, batch: int) -> tuple[Measured, int]:
     """Steps of `cfg` in a process of their own, in a cgroup where this machine allows (its peak
     charge is what a memory cap sees; else the peak RSS): (the measurement, bytes besides tensors)."""
-    from multicard.plan import memcap
-    from multicard.plan.dataset import data_facts
-    from multicard.plan.measure import run_alone
-    from multicard.plan.memory import Layout, peak
-
-    capped = memcap.available() == ""
-    with memcap.MemoryCap(None) if capped else nullcontext() as cap:
+    capped = cgroup_cap.available() == ""
+    with cgroup_cap.MemoryCap(None) if capped else nullcontext() as cap:
         measured = run_alone(cfg, steps=3, cap=cap)
         charged = cap.max_usage if cap is not None else measured.rss_peak_bytes
     images = data_facts(cfg.data, cfg.seed).decoded_bytes(cfg.data.image_size)

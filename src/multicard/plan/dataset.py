@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from multicard.config import DataConfig
-from multicard.data import MEMORY_SHARE, read_splits
-from multicard.data.transforms import is_small
+from multicard.data import loader_for, read_splits
 
 CIFAR10_SAMPLES = (50_000, 10_000)  # data_batch_1..5, test_batch
 
@@ -45,12 +44,8 @@ def data_facts(d: DataConfig, seed: int) -> DataFacts:
 
 
 def loader_kind(d: DataConfig, facts: DataFacts, device_bytes: float) -> str:
-    """data.loader=auto's choice (multicard.data.choose_loader's rule) for a device of `device_bytes`."""
-    if d.loader != "auto":
-        return d.loader
-    if not is_small(d.image_size):
-        return "workers"
-    return "device" if facts.decoded_bytes(d.image_size) * MEMORY_SHARE <= device_bytes else "workers"
+    """data.loader=auto's choice (the data layer's own rule) for a device of `device_bytes`."""
+    return loader_for(d, facts.decoded_bytes(d.image_size), device_bytes)
 
 
 def resident_bytes(d: DataConfig, facts: DataFacts, device_bytes: float, cuda: bool) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from multicard.plan.hardware import CUBLAS_WORKSPACE_BYTES
-from multicard.plan.scaling import StepModel
+from multicard.plan.step_model import StepModel
 from multicard.plan.trace import StepTrace
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buckets", "loader", "runtime")

@@ -12,14 +12,14 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from multicard.allocator import wants_release
 from multicard.config import Config, load_config, to_dict, with_overrides
-from multicard.data.sampling import BatchPlan
+from multicard.data.sampling import BatchSplit
 from multicard.errors import UserError
+from multicard.malloc import wants_release
+from multicard.plan.candidates import CANDIDATES, DEFAULT_HEADROOM, Candidate
 from multicard.plan.dataset import DataFacts, data_facts, resident_bytes
 from multicard.plan.memory import ELEMENT, Layout, Memory, largest_batch, peak
-from multicard.plan.scaling import StepModel, step_model
-from multicard.plan.strategies import CANDIDATES, DEFAULT_HEADROOM, Candidate
+from multicard.plan.step_model import StepModel, step_model
 from multicard.plan.target import Target
 from multicard.plan.timing import StepTime, step_time
 from multicard.topology import check_fsdp
@@ -77,25 +77,25 @@ def _layout(c: Candidate, target: Target, cfg: Config, accum: int) -> Layout:
     if c.kind in ("ddp", "zero1"):
         return Layout(c.kind, shard=target.devices, bucket_view=cfg.ddp.gradient_as_bucket_view, accum=accum,
                       precision=cfg.precision, cuda=cuda)  # fmt: skip
-    shard = target.gpus if c.key == "hsdp" else target.devices
-    return Layout("fsdp", shard=shard, reshard_after_forward=c.key != "zero2", accum=accum, precision=cfg.precision,
-                  cuda=cuda)  # fmt: skip
+    shard = target.gpus if c.replicate_nodes else target.devices
+    return Layout("fsdp", shard=shard, reshard_after_forward=c.reshard_after_forward, accum=accum,
+                  precision=cfg.precision, cuda=cuda)  # fmt: skip
 
 
 def _applicable(c: Candidate, target: Target) -> str:
     """Why the candidate cannot run on the target ('' if it can)."""
-    if c.key == "dp" and (not target.cuda or target.gpus < 2 or target.nodes > 1):
+    if c.splits_over_gpus and (not target.cuda or target.gpus < 2 or target.nodes > 1):
         return "needs 2 or more CUDA GPUs in one node"
-    if c.kind in ("ddp", "zero1", "fsdp") and target.devices < 2:
+    if not c.one_process and target.devices < 2:
         return "one device: the same work as single"
-    if c.key == "hsdp" and target.nodes < 2:
+    if c.replicate_nodes and target.nodes < 2:
         return "replicates across nodes: needs --nodes 2 or more"
     return ""
 
 
 def _processes(c: Candidate, target: Target) -> tuple[int, int]:
     """(world size, processes per node)."""
-    if c.kind in ("single", "dp"):
+    if c.one_process:
         return 1, 1
     return target.devices, target.gpus
 
@@ -111,9 +111,9 @@ def _time(model: StepModel, c: Candidate, target: Target, cfg: Config, n: int, a
     compressed = cfg.ddp.comm_hook in ("fp16", "bf16")
     return step_time(
         model, c.kind, rates, net, n, accum, per_node, target.nodes if world > 1 else 1,
-        replicas=target.gpus if c.kind == "dp" else 1,
-        shard_per_node=target.gpus if c.key == "hsdp" else None,
-        reshard_after_forward=c.key != "zero2",
+        replicas=c.gpus_per_process(target.gpus),
+        shard_per_node=target.gpus if c.replicate_nodes else None,
+        reshard_after_forward=c.reshard_after_forward,
         release_memory=target.gpu is None and wants_release(cfg.fsdp.cpu_release_memory, target.capped),
         compute_bytes=ELEMENT[cfg.precision],  # FSDP gathers parameters in the compute dtype
         comm_bytes=2 if compressed else (8 if cfg.precision == "fp64" else 4),  # gradients keep the parameters' dtype
@@ -132,11 +132,11 @@ def plan_row(model: StepModel, c: Candidate, target: Target, cfg: Config, facts:
         world, per_node = _processes(c, target)
         if c.kind == "fsdp":
             check_fsdp(ccfg, world, per_node)
-        plan = BatchPlan(cfg.train.global_batch_size, cfg.train.grad_accum, world)
+        plan = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world)
     except UserError as exc:
         row.reason = str(exc)
         return row
-    row.processes, row.devices = world, (target.gpus if c.kind == "dp" else world)
+    row.processes, row.devices = world, world * c.gpus_per_process(target.gpus)
     row.micro_batch = plan.micro_batch
     row.device_memory = target.memory(per_node)
     row.budget = row.device_memory * (1 - headroom)
@@ -144,11 +144,11 @@ def plan_row(model: StepModel, c: Candidate, target: Target, cfg: Config, facts:
     runtime = target.runtime_bytes(distributed=world > 1, loader=kind)
     fixed = {"loader": float(loader), "runtime": float(runtime)}
     row.memory = peak(model, _layout(c, target, cfg, cfg.train.grad_accum), plan.micro_batch, fixed)
-    step = target.gpus if c.kind == "dp" else 1
+    step = c.gpus_per_process(target.gpus)  # dp splits each micro-batch evenly over its GPUs
     row.max_micro_batch = largest_batch(model, _layout(c, target, cfg, 1), row.budget, loader + runtime, step)
     for k in _accums(cfg.train.global_batch_size, world):
         n = cfg.train.global_batch_size // (world * k)
-        if c.kind == "dp" and n % target.gpus:
+        if n % step:
             continue
         memory = peak(model, _layout(c, target, cfg, k), n, fixed)
         row.smallest = (n, memory)
@@ -181,14 +181,14 @@ def command(row: Row, cfg_path: str | None, user_overrides: list[str], target: T
     extra = [o for o in row.candidate.overrides if _differs(base, o)]
     if row.accum != base.train.grad_accum:
         extra.append(f"train.grad_accum={row.accum}")
-    if row.candidate.kind == "dp":
+    if row.candidate.splits_over_gpus:
         extra.append("devices=[" + ",".join(str(i) for i in range(target.gpus)) + "]")
     elif not target.cuda and base.devices != "cpu":
         extra.append("devices=cpu")
     elif target.cuda and base.devices == "cpu":
         extra.append("devices=auto")
     parts = ["multicard", "train", *(["--config", cfg_path] if cfg_path else []), *kept, *extra]
-    if row.candidate.kind not in ("single", "dp"):
+    if not row.candidate.one_process:
         parts += ["--nproc-per-node", str(target.gpus)]
         if target.nodes > 1:
             parts += ["--nnodes", str(target.nodes), "--node-rank", "R", "--master-addr", "HOST0",

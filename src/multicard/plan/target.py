@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from multicard.errors import UserError
 from multicard.host_memory import available_memory, cgroup_limit
-from multicard.plan.calibrate import Calibration
+from multicard.plan.calibration import Calibration
 from multicard.plan.hardware import CUDA_CONTEXT_BYTES, FSDP_UNIT_HOST_S, NCCL_BYTES, Gpu, find_gpu
 from multicard.plan.links import DEFAULT_BETWEEN_NODES, Link, find_link, per_gpu_bandwidth
 from multicard.plan.timing import Net, Rates

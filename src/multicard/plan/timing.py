@@ -9,7 +9,7 @@ device's sum and the host's. CPU: FLOPs / R + bytes / BW, with rates measured on
 matmuls, BW apart for normalisations (which read their input twice); an op's writes into new tensors
 at or above glibc's mmap threshold cost 1 / BW_fresh: such an allocation is a fresh mapping
 whose pages fault in as they are written, where a smaller one reuses memory already touched.
-The threshold rises to 32 MiB as a process runs; fsdp fixes it at 128 KiB (allocator.py) where
+The threshold rises to 32 MiB as a process runs; fsdp fixes it at 128 KiB (malloc.py) where
 fsdp.cpu_release_memory resolves to true (by default: under a memory limit, as --memory-gb plans).
 
 Communication (ring algorithms, NCCL/gloo): all-reduce moves 2(g-1)/g of the bytes over each
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from multicard.allocator import LARGE, MMAP_THRESHOLD_MAX
+from multicard.malloc import LARGE, MMAP_THRESHOLD_MAX
 from multicard.plan.hardware import (
     ACHIEVABLE_BANDWIDTH,
     ACHIEVABLE_COMPUTE,
@@ -32,8 +32,9 @@ from multicard.plan.hardware import (
     KERNEL_MIN_S,
     Gpu,
 )
-from multicard.plan.scaling import StepModel
-from multicard.plan.tracker import CONV, GROUPED_CONV, GROUPED_CONV_BACKWARD, MATMUL, NORM
+from multicard.plan.ops import CONV, GROUPED_CONV, GROUPED_CONV_BACKWARD, MATMUL, NORM
+from multicard.plan.step_model import StepModel
+from multicard.plan.trace import StepTrace
 
 
 @dataclass(frozen=True)
@@ -175,40 +176,58 @@ def step_time(
     fb, backward, optimizer = compute_seconds(model, rates, n, replicas, fault_from)
     compute = accum * fb
     elements = float(sum(p.numel for p in trace.params))
-    grads = elements * comm_bytes
     world = per_node * nodes
     comm = exposed = 0.0
     if kind == "dp":
-        inside = Net(net.intra_bw, net.intra_latency)
-        per_micro = ring("broadcast", trace.param_bytes, replicas, inside.intra_bw, inside.intra_latency)
-        per_micro += ring("reduce_scatter", trace.grad_bytes * replicas, replicas, inside.intra_bw,
-                          inside.intra_latency)  # fmt: skip
-        comm = exposed = accum * per_micro  # replicas are made and gradients gathered every micro-step
+        comm = exposed = accum * _dp_seconds(trace, replicas, net)  # every micro-step
     elif kind in ("ddp", "zero1"):
-        comm = collective("all_reduce", grads, per_node, nodes, net)
-        last_bucket = comm * min(1.0, bucket_bytes / grads) if grads else 0.0
-        exposed = max(comm - 0.9 * backward, last_bucket) if net.overlaps else comm
+        comm, exposed = _ddp_seconds(trace, kind, elements * comm_bytes, backward, per_node, nodes, net, bucket_bytes)
         if kind == "zero1":
             optimizer /= world
-            gather = collective("all_gather", trace.param_bytes, per_node, nodes, net)  # owners send updated parameters
-            comm += gather
-            exposed += gather
     elif kind == "fsdp":
-        group_per_node, group_nodes = (shard_per_node, 1) if shard_per_node else (per_node, nodes)
-        params_c = elements * compute_bytes
-        gathers = 2 if reshard_after_forward else 1
-        gather = collective("all_gather", params_c, group_per_node, group_nodes, net)
-        scatter = collective("reduce_scatter", elements * 4, group_per_node, group_nodes, net)  # fp32 reduce
-        replicate = 0.0
-        if shard_per_node:  # HSDP: each shard's gradients all-reduced across nodes
-            replicate = ring("all_reduce", elements * 4 / shard_per_node, nodes, net.inter_bw, net.inter_latency)
-        comm = accum * gathers * gather + scatter + replicate
-        optimizer /= group_per_node * group_nodes
+        optimizer /= shard_per_node or world
         compute += accum * len(trace.units) * rates.fsdp_unit_s
-        if net.overlaps:  # prefetched gathers and reduce-scatters run beside compute; the first gather cannot
-            units = max(1, len(trace.units))
-            exposed = max(comm - 0.9 * compute, gather / units + scatter / units)
-        else:
-            exposed = comm
+        comm, exposed = _fsdp_seconds(trace, elements, compute, accum, per_node, nodes, net, shard_per_node,
+                                      reshard_after_forward, compute_bytes)  # fmt: skip
     total = compute + optimizer + exposed
     return StepTime(compute, optimizer, comm, exposed, total)
+
+
+def _dp_seconds(trace: StepTrace, replicas: int, net: Net) -> float:
+    """DataParallel's communication of one micro-step: replicas made, gradients gathered."""
+    seconds = ring("broadcast", trace.param_bytes, replicas, net.intra_bw, net.intra_latency)
+    return seconds + ring("reduce_scatter", trace.grad_bytes * replicas, replicas, net.intra_bw, net.intra_latency)
+
+
+def _ddp_seconds(trace: StepTrace, kind: str, grads: float, backward: float, per_node: int, nodes: int, net: Net,
+                 bucket_bytes: float) -> tuple[float, float]:  # fmt: skip
+    """(all, exposed) communication seconds of a ddp or zero1 step: the gradients' all-reduce,
+    overlapped with backward but for the last bucket; zero1's owners then send updated parameters."""
+    comm = collective("all_reduce", grads, per_node, nodes, net)
+    last_bucket = comm * min(1.0, bucket_bytes / grads) if grads else 0.0
+    exposed = max(comm - 0.9 * backward, last_bucket) if net.overlaps else comm
+    if kind == "zero1":
+        gather = collective("all_gather", trace.param_bytes, per_node, nodes, net)
+        comm += gather
+        exposed += gather
+    return comm, exposed
+
+
+def _fsdp_seconds(trace: StepTrace, elements: float, compute: float, accum: int, per_node: int, nodes: int, net: Net,
+                  shard_per_node: int | None, reshard_after_forward: bool,
+                  compute_bytes: float) -> tuple[float, float]:  # fmt: skip
+    """(all, exposed) communication seconds of an fsdp step: parameter gathers per micro-step
+    (forward, and backward again when resharded), one fp32 reduce-scatter, and for HSDP the shards'
+    all-reduce across nodes; prefetched gathers and reduce-scatters run beside compute."""
+    group_per_node, group_nodes = (shard_per_node, 1) if shard_per_node else (per_node, nodes)
+    gathers = 2 if reshard_after_forward else 1
+    gather = collective("all_gather", elements * compute_bytes, group_per_node, group_nodes, net)
+    scatter = collective("reduce_scatter", elements * 4, group_per_node, group_nodes, net)  # fp32 reduce
+    replicate = 0.0
+    if shard_per_node:  # HSDP: each shard's gradients all-reduced across nodes
+        replicate = ring("all_reduce", elements * 4 / shard_per_node, nodes, net.inter_bw, net.inter_latency)
+    comm = accum * gathers * gather + scatter + replicate
+    if not net.overlaps:
+        return comm, comm
+    units = max(1, len(trace.units))  # the first gather cannot be hidden
+    return comm, max(comm - 0.9 * compute, gather / units + scatter / units)

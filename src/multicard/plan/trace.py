@@ -1,9 +1,10 @@
 """One training step of the configured run, traced on fake tensors.
 
 The step is multicard's own: the model from `build_model`, placed by the single-device
-`Strategy.prepare` (dtype, channels_last, autocast), the optimizer from `optimizer_recipe`,
-the schedule and `Trainer.fit` itself, fed by a loader that hands out fake batches. Nothing
-is allocated and no GPU is needed; every op is recorded (tracker.OpRecorder).
+`Strategy.prepare` (dtype, channels_last, autocast), then the optimizer, schedule and Trainer
+as every run assembles them (session.assemble_trainer), and `Trainer.fit` itself, fed by a
+loader that hands out fake batches. Nothing is allocated and no GPU is needed; every op is
+recorded (ops.OpRecorder).
 
 Besides the op series, the trace keeps what the strategy rules need: parameter, buffer,
 gradient and optimizer-state bytes (per parameter too: ZeRO-1 splits by parameter), the
@@ -23,14 +24,14 @@ import torch.nn as nn
 from multicard.config import Config
 from multicard.errors import UserError
 from multicard.models import build_model, check_input_size
-from multicard.optim import build_scheduler, fused_on_shards, optimizer_recipe
+from multicard.optim import fused_on_shards
 from multicard.plan.fake import FakeWorld
-from multicard.plan.tracker import OpRecorder, OpSeries
+from multicard.plan.ops import OpRecorder, OpSeries
 from multicard.precision import Precision
 from multicard.process_group import ProcessContext
+from multicard.session import assemble_trainer, training_schedule
 from multicard.strategy.base import ModelSetup, Strategy
 from multicard.strategy.fsdp_units import choose_units
-from multicard.trainer import Schedule, Trainer
 
 NEVER = 10**9  # steps per epoch and log interval of the traced run: it neither logs nor ends an epoch
 
@@ -183,13 +184,11 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
         bare = build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs))
         model = strategy.prepare(bare)  # before any forward: views of parameters would block its .to()
         check_input_size(bare, cfg.model.name, cfg.data.image_size, num_classes)
-        recipe = optimizer_recipe(bare, cfg.optim, cfg.train.global_batch_size)
-        optimizer = strategy.make_optimizer(recipe, bare)
-        scheduler = build_scheduler(optimizer, cfg.sched, NEVER, NEVER)
-        schedule = Schedule(NEVER, NEVER, 1, NEVER, cfg.train.label_smoothing, cfg.clip_grad_norm)
-        trainer = Trainer(strategy, model, optimizer, scheduler, FakeBatches(batch, cfg.data.image_size, num_classes),
-                          None, schedule)  # fmt: skip
+        schedule = training_schedule(cfg, NEVER, NEVER, grad_accum=1, log_every=NEVER)
+        fake = FakeBatches(batch, cfg.data.image_size, num_classes)
+        trainer, recipe = assemble_trainer(cfg, strategy, model, fake, None, schedule)  # type: ignore[arg-type]
         units = choose_units(bare, cfg.fsdp, cfg.model.name)
+    optimizer = trainer.optimizer
     names = {id(m): n for n, m in bare.named_modules()}
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     params = [ParamInfo(n, p.numel(), p.numel() * p.element_size(), group_of.get(id(p), 0))

@@ -12,20 +12,18 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from multicard.bench.measure import raw_allreduce_ms
 from multicard.config import Config, config_from_dict, parse_devices
-from multicard.phases import split
-from multicard.plan.allocations import window_peak
+from multicard.phases import raw_allreduce_ms
+from multicard.plan.profiled_peak import window_peak
 from multicard.process_group import detect_env, die_with_launcher, end_process, resolve_gpus
 from multicard.session import open_session
-from multicard.trainer import Callback, StepEnd, Trainer
+from multicard.step_timer import StepTimer
 
 MARKER = "multicard.plan.steps"
 # Kineto, the profiler's backend, logs to stderr at every start and stop (`USDT ... profiler_start`,
@@ -33,27 +31,6 @@ MARKER = "multicard.plan.steps"
 # Its levels run from 0 (verbose) to 5 (USDT); 6 silences them all. Read when the profiler first
 # starts; an exported KINETO_LOG_LEVEL wins.
 KINETO_SILENT = "6"
-
-
-class StepWatch(Callback):
-    """Wall time and phase split of every optimizer step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds: list[float] = []
-        self.splits: list[dict[str, float]] = []
-        self._last = time.perf_counter()
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        self._last = time.perf_counter()
-
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.seconds.append(now - self._last)
-        self.splits.append(split(step.times.seconds()))
-        self._last = now
 
 
 def peak_rss() -> int:
@@ -64,7 +41,7 @@ def peak_rss() -> int:
     return 0
 
 
-def measure(
+def run_rank(
     cfg: Config,
     memory_steps: int,
     warmup: int,
@@ -93,24 +70,21 @@ def measure(
             prof.stop()
             peak, before = window_peak(prof, MARKER)
             prof = None
-        watch = StepWatch(s.ctx.device)
-        s.trainer.fit([watch], until=memory_steps + warmup + steps, validate=False)
-        timed = watch.seconds[warmup:]
-        fastest = min(range(len(timed)), key=timed.__getitem__) + warmup if timed else None
+        timer = StepTimer(s.ctx.device, warmup)
+        s.trainer.fit([timer], until=memory_steps + warmup + steps, validate=False)
+        timed = timer.times
         mine = {
             "rank": s.ctx.rank,
             "peak_bytes": peak,
             "before_steps_bytes": before,
             "step_s": statistics.median(timed) if timed else None,
             "step_s_all": timed,
-            "split_ms": {k: statistics.median(x[k] for x in watch.splits[warmup:]) for k in watch.splits[0]}
-            if timed
-            else {},
-            "split_min_ms": watch.splits[fastest] if fastest is not None else {},  # the fastest step's
+            "split_ms": timer.breakdown(),
+            "split_min_ms": timer.fastest_split(),
             "threads": torch.get_num_threads(),
             "device": str(s.ctx.device),
             "loader": s.data.loader,
-            "micro_batch": s.plan.micro_batch,
+            "micro_batch": s.batch_split.micro_batch,
             "rss_peak_bytes": rss,  # after the memory steps, before the profile is read
         }
         ranks = s.strategy.all_gather_object(mine)
@@ -123,8 +97,8 @@ def measure(
 def main(argv: list[str]) -> int:
     die_with_launcher(detect_env())
     spec = json.loads(Path(argv[0]).read_text())
-    result = measure(config_from_dict(spec["config"]), spec["memory_steps"], spec["warmup"], spec["steps"],
-                     spec.get("allreduce_bytes"), spec.get("profile_memory", True))  # fmt: skip
+    result = run_rank(config_from_dict(spec["config"]), spec["memory_steps"], spec["warmup"], spec["steps"],
+                      spec.get("allreduce_bytes"), spec.get("profile_memory", True))  # fmt: skip
     if result is not None:
         Path(spec["result"]).write_text(json.dumps(result))
     return 0

@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from multicard.allocator import release_large_buffers, wants_release
 from multicard.compilation import compile_in_place
 from multicard.config import FSDPConfig
+from multicard.malloc import release_large_buffers, wants_release
 from multicard.precision import Precision
 from multicard.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, StateDict
@@ -57,7 +57,7 @@ class FSDPStrategy(DistributedStrategy):
         self.model_name = model_name
         self.units: list[nn.Module] = []
         if ctx.device.type == "cpu" and wants_release(options.cpu_release_memory):
-            release_large_buffers()  # before the model is built: see allocator.py
+            release_large_buffers()  # before the model is built: see malloc.py
 
     def mesh(self) -> DeviceMesh:
         ctx = self.ctx

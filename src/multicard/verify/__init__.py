@@ -192,7 +192,9 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
         if "eval" in checks:
             outcomes.append(compare_eval(job["eval"], single["eval"], options.nproc))
         if "coverage" in checks:
-            outcomes.append(check_coverage(job["coverage"], job["num_samples"], user.train.global_batch_size))
+            outcomes.append(
+                check_coverage(job["coverage"], job["num_samples"], user.train.global_batch_size, user.data.repeats)
+            )
         if "resume" in checks:
             outcomes.extend(_resume_outcomes(runs, steps, job.get("cut"), dropout))
     for o in outcomes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,13 +66,17 @@ def compare_eval(multi: dict[str, Any], single: dict[str, Any], world: int) -> O
     return Outcome(name, "pass" if ok else "fail", detail)
 
 
-def check_coverage(epochs: list[list[list[int]]], num_samples: int, global_batch: int) -> Outcome:
+def check_coverage(epochs: list[list[list[int]]], num_samples: int, global_batch: int, repeats: int = 1) -> Outcome:
     """`epochs[e][r]`: the sample indices rank r trains on in epoch e.
 
     Each epoch must use every sample at most once across ranks and all but fewer than one
     global batch, and consecutive epochs must not repeat one order (set_epoch reached the sampler).
+    With repeated augmentation (data.repeats) an index j·N + i is copy j of sample i: each copy
+    at most once, and 1/repeats of the samples, each `repeats` times.
     """
     name = "every sample seen once per epoch, a new order each epoch"
+    if repeats > 1:
+        name = f"every sample's {repeats} copies seen once per epoch, a new order each epoch"
     expected = num_samples // global_batch * global_batch
     for e, ranks in enumerate(epochs):
         seen = [i for rank in ranks for i in rank]
@@ -82,11 +87,15 @@ def check_coverage(epochs: list[list[list[int]]], num_samples: int, global_batch
             return Outcome(name, "fail", detail)
         if len(unique) != expected:
             return Outcome(name, "fail", f"epoch {e}: {len(unique)} samples used, expected {expected}")
+        copies = Counter(i % num_samples for i in unique)
+        if set(copies.values()) != {repeats}:
+            return Outcome(name, "fail", f"epoch {e}: a sample has {min(copies.values())} of its {repeats} copies")
     for e in range(1, len(epochs)):
         if epochs[e] == epochs[e - 1]:
             detail = f"epoch {e} repeats epoch {e - 1}'s order: the sampler's epoch is not advancing"
             return Outcome(name, "fail", detail)
-    return Outcome(name, "pass", f"{len(epochs)} epochs × {expected} samples, each once, order reshuffled")
+    each = "each once" if repeats == 1 else f"{expected // repeats} samples × {repeats} copies"
+    return Outcome(name, "pass", f"{len(epochs)} epochs × {expected} samples, {each}, order reshuffled")
 
 
 def has_dropout(model: nn.Module) -> bool:

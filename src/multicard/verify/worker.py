@@ -63,7 +63,7 @@ def _global_batch(s: Session, epoch: int, step: int, walk: bool) -> list[int]:
     """The samples, over all ranks, of optimizer step `step` of `epoch`: reached by walking the
     epoch from its start (as an uninterrupted run reaches it) or by asking the loader to start
     there (as a resumed run does). Sorted: the order within a global batch depends on the world size."""
-    loader, accum = s.trainer.train_loader, s.plan.grad_accum
+    loader, accum = s.trainer.train_loader, s.batch_split.grad_accum
     loader.set_epoch(epoch, 0 if walk else step)
     skip = step * accum if walk else 0
     mine = [i for batch in itertools.islice(loader.sampler, skip, skip + accum) for i in batch.tolist()]
@@ -181,9 +181,9 @@ def main(argv: list[str]) -> int:
                 torch.save(states, spec["states"])
     except MulticardError as exc:  # rank 0's reason is said once, by `multicard verify`
         summary = {"failed": str(exc), "exit_code": int(exc.exit_code)}
-        if env.rank != 0:
+        if not env.is_main:
             return exc.exit_code
-    if env.rank == 0:
+    if env.is_main:
         Path(spec["result"]).write_text(json.dumps(summary))
     return summary.get("exit_code", 0)
 

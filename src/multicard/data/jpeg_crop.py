@@ -1,7 +1,7 @@
 """data.decode=gpu, the workers' side: read each file, choose its crop, pass the JPEG on undecoded.
 
 A worker parses the file's header (size, format), draws the crop and flip exactly as the CPU
-transform would from (seed, epoch, index), and hands over the file's bytes with that plan; the
+transform would from (seed, epoch, index), and hands over the file's bytes with that crop; the
 training process decodes the batch with nvjpeg and crops, resizes and flips on the GPU
 (gpu_decode.py). Files nvjpeg is not given — other formats (PNG, ...) and JPEGs that are not RGB or
 greyscale (CMYK) — are decoded, cropped and resized by the worker with the CPU transform itself, as
@@ -59,7 +59,7 @@ class JpegFile:
     crop: Crop
 
 
-class JpegPlan:
+class JpegTransform:
     """Worker transform under data.decode=gpu: a JpegFile for JPEGs nvjpeg decodes, else the pixels
     of the CPU transform it wraps (which also defines the crops)."""
 

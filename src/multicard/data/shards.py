@@ -1,0 +1,268 @@
+"""Packed shards: `data.name=shards data.root=DIR`, a folder that `multicard pack` wrote (multicard/pack.py).
+
+DIR holds plain tar files in WebDataset's layout (members `<key>.<ext>` with each image's encoded
+bytes unchanged, and `<key>.cls` with its label) and one index, `index.json`, that says for every
+sample which shard holds it, where its bytes start and how long they are, its label and its size
+(width, height: what a crop plan needs without opening the image). Samples are read by index,
+one `pread` each, and handed to the loaders as a dataset function's items are (encoded bytes,
+label: data/user.py), so decoding, augmentation and every guarantee of image folders are the
+same: training from shards ends with the parameters training from the packed folder ends with.
+
+On storage where each read is a round trip (NFS, Lustre, sshfs), a loader process keeps
+`data.reads_in_flight` reads of its batch going at once, neighbours in one read (`prefetch`); the
+batch's contents and order do not change. `data.order=local` (opt-in) orders an epoch so that a
+batch holds runs of neighbours (`local_order`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from multicard.data.encoded import EncodedImage
+from multicard.data.sources import Items, Splits
+from multicard.errors import UserError
+
+FORMAT = "multicard-shards"
+VERSION = 1
+INDEX = "index.json"
+BLOCK = 512  # tar's block: every member is a 512-byte header, then its data padded to blocks
+# data.order=local: runs of RUN samples stored next to each other, in a shuffled order, shuffled
+# within windows of WINDOW runs (a batch of 256 then reads about 16 runs, each in one read).
+RUN, WINDOW = 64, 16
+MERGE_GAP = 64 << 10  # reads of a batch whose bytes lie at most this far apart become one read
+COLUMNS = ("shard", "offset", "length", "label", "width", "height")  # per sample, in the index: integers
+HEADER = ("ext", "format", "mode")  # per sample, in the index: the image member's extension, Pillow's format and mode
+
+
+def padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+@dataclass
+class PackedSplit:
+    """One split of an index: its shard files and, per sample, where its bytes are."""
+
+    shards: list[Path]
+    shard_bytes: list[int]
+    columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
+    header: dict[str, list[str]]  # HEADER → one entry per sample
+
+    def __len__(self) -> int:
+        return len(self.columns["label"])
+
+
+@dataclass
+class Index:
+    path: Path
+    classes: list[str]
+    fingerprint: str  # of the source the pack was made from
+    source: str  # what was packed, in words (the data.* settings)
+    splits: dict[str, PackedSplit]
+
+
+def _bad_index(path: Path, why: str) -> UserError:
+    return UserError(f"index {path} {why}; pack the data again (multicard pack), or point data.root at a packed folder")
+
+
+def read_index(directory: Path) -> Index:
+    """The index of a packed folder, its format and version checked, or a one-line error naming the file."""
+    path = directory / INDEX
+    if not path.is_file():
+        if directory.is_dir() and (directory / ".partial").is_dir():
+            raise UserError(f"{directory} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
+        raise UserError(f"data.root={directory} has no {INDEX}; make it with multicard pack --out {directory}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _bad_index(path, f"cannot be read ({type(exc).__name__})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise _bad_index(path, f"is not a {FORMAT} index")
+    if raw.get("version") != VERSION:
+        raise UserError(
+            f"index {path} is format version {raw.get('version')}; this multicard reads version {VERSION}: "
+            f"pack the data again with this version (multicard pack)"
+        )
+    try:
+        splits = {name: _packed_split(directory, part) for name, part in raw["splits"].items()}
+        return Index(path, list(raw["classes"]), str(raw["fingerprint"]), str(raw["source"]), splits)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _bad_index(path, f"is damaged (bad entry {exc})") from None
+
+
+def _packed_split(directory: Path, part: dict[str, Any]) -> PackedSplit:
+    shards = [directory / s["name"] for s in part["shards"]]
+    columns = {c: np.asarray(part[c], dtype=np.int64) for c in COLUMNS}
+    header = {c: [str(v) for v in part[c]] for c in HEADER}
+    if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
+        raise ValueError("columns of different lengths")
+    return PackedSplit(shards, [int(s["bytes"]) for s in part["shards"]], columns, header)
+
+
+def check_shards(split: PackedSplit) -> None:
+    """Every shard is there with the size the index gives (one stat each: cheap at start-up)."""
+    for path, expected in zip(split.shards, split.shard_bytes, strict=True):
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise UserError(f"shard {path} is missing; restore it or pack the data again (multicard pack)") from None
+        if size != expected:
+            raise UserError(
+                f"shard {path} has {size} bytes where the index says {expected}: it is truncated or was changed; "
+                f"restore it or pack the data again (multicard pack --verify DIR checks a pack)"
+            )
+
+
+class ShardSamples:
+    """A packed split as a map-style dataset: item i → (the image's encoded bytes as an EncodedImage, its label)."""
+
+    def __init__(self, split: PackedSplit, reads_in_flight: int = 1) -> None:
+        self.split = split
+        self.shard_of = split.columns["shard"]
+        self.offset = split.columns["offset"]
+        self.length = split.columns["length"]
+        self.labels = split.columns["label"]
+        self.width, self.height = split.columns["width"], split.columns["height"]
+        self.reads_in_flight = reads_in_flight
+        self._pid = -1  # files and threads belong to one process: a forked loader process opens its own
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._fds: dict[int, int] = {}
+            self._pool: ThreadPoolExecutor | None = None
+            self._ready: dict[int, bytes] = {}
+
+    def _fd(self, shard: int) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.split.shards[shard], os.O_RDONLY)
+        return fd
+
+    def read(self, i: int) -> bytes:
+        """Sample i's encoded bytes: one positional read of its shard."""
+        self._own()
+        return self._read_run([i])
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Read these samples' bytes now, `reads_in_flight` reads at a time, samples stored close
+        together in one read; `__getitem__` then takes them. Results are kept by index, so the order
+        in which reads finish changes nothing."""
+        self._own()
+        self._ready = {}  # the previous batch's, all taken by now (a repeated sample more than once)
+        runs = self._runs(indices)
+        if self.reads_in_flight <= 1 and len(runs) == len(indices):
+            return  # one read per sample, one at a time: as __getitem__ does
+        for shard in {int(self.shard_of[i]) for i in indices}:  # opened here: the pool's threads only read
+            self._fd(shard)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, self.reads_in_flight), thread_name_prefix="multicard-shard-read")
+        for run, data in zip(runs, self._pool.map(self._read_run, runs), strict=True):
+            start = int(self.offset[run[0]])
+            for i in run:
+                at = int(self.offset[i]) - start
+                self._ready[i] = data[at : at + int(self.length[i])]
+
+    def _runs(self, indices: list[int]) -> list[list[int]]:
+        """The samples grouped into runs stored close together (in one shard, gaps ≤ MERGE_GAP)."""
+        ordered = sorted(set(indices), key=lambda i: (int(self.shard_of[i]), int(self.offset[i])))
+        runs: list[list[int]] = []
+        for i in ordered:
+            last = runs[-1][-1] if runs else None
+            if (
+                last is not None
+                and self.shard_of[i] == self.shard_of[last]
+                and self.offset[i] - (self.offset[last] + self.length[last]) <= MERGE_GAP
+            ):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def _read_run(self, run: list[int]) -> bytes:
+        """The bytes from the first sample's start to the last one's end (samples of one shard, in stored order)."""
+        first, last = run[0], run[-1]
+        shard, start = int(self.shard_of[first]), int(self.offset[first])
+        length = int(self.offset[last]) + int(self.length[last]) - start
+        data = os.pread(self._fd(shard), length, start)
+        if len(data) != length:
+            raise UserError(
+                f"shard {self.split.shards[shard]} ends before sample {last}'s bytes: it was truncated while in use; "
+                f"restore it or pack the data again (multicard pack)"
+            )
+        return data
+
+    def stored(self) -> torch.Tensor:
+        """The samples in the order the shards store them."""
+        return torch.from_numpy(np.lexsort((self.offset, self.shard_of)))
+
+    def __getitem__(self, i: int) -> tuple[EncodedImage, int]:
+        """The image undecoded, with the header the index holds: nothing is parsed twice."""
+        self._own()
+        data = self._ready.get(i)
+        data = data if data is not None else self.read(i)
+        where = Path(f"{self.split.shards[int(self.shard_of[i])]} (sample {i})")
+        header = self.split.header
+        size = (int(self.width[i]), int(self.height[i]))
+        return EncodedImage(where, data, size, header["format"][i] or None, header["mode"][i]), int(self.labels[i])
+
+
+def shard_splits(directory: Path, reads_in_flight: int = 1) -> Splits:
+    """The training and validation splits of a packed folder (its index read and its shards checked)."""
+    index = read_index(directory)
+    for name in ("train", "val"):
+        if name not in index.splits:
+            raise _bad_index(index.path, f"has no {name} split")
+        check_shards(index.splits[name])
+    what = f"data.name=shards data.root={directory}"
+    parts = {
+        name: Items(ShardSamples(index.splits[name], reads_in_flight), torch.arange(len(index.splits[name])),
+                    len(index.classes), f"{what} ({name})")
+        for name in ("train", "val")
+    }  # fmt: skip
+    return Splits(parts["train"], parts["val"], index.classes)
+
+
+def local_order(stored: torch.Tensor, num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """data.order=local: an epoch's order that reads runs of neighbours. The stored order is cut
+    into runs of RUN samples; the runs are shuffled, and the samples of each window of WINDOW runs
+    shuffled among themselves. A function of (seed, epoch) over the whole dataset, like the full
+    shuffle (sampling.epoch_permutation), so batches, resume and evaluation keep their guarantees."""
+    assert len(stored) == num_samples
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    runs = torch.randperm(-(-num_samples // RUN), generator=g)
+    parts = []
+    for w in range(0, len(runs), WINDOW):
+        positions = (runs[w : w + WINDOW, None] * RUN + torch.arange(RUN)).flatten()
+        positions = positions[positions < num_samples]
+        parts.append(stored[positions[torch.randperm(len(positions), generator=g)]])
+    return torch.cat(parts)
+
+
+def order_of(source: Any, name: str) -> Callable[[int, int, int], torch.Tensor] | None:
+    """The sampler's epoch order for data.order=`name`: None for the full shuffle."""
+    if name == "global":
+        return None
+    dataset = getattr(source, "dataset", None)
+    packed = isinstance(dataset, ShardSamples) and torch.equal(source.indices, torch.arange(len(dataset)))
+    stored = dataset.stored() if packed else torch.arange(len(source))
+    return partial(local_order, stored)
+
+
+def prefetch_items(source: Any, indices: list[int]) -> None:
+    """Let a source that reads packed shards fetch a batch's bytes at once (workers.SourceImages)."""
+    dataset = getattr(source, "dataset", None)
+    if isinstance(dataset, ShardSamples):
+        dataset.prefetch([int(source.indices[i]) for i in indices])

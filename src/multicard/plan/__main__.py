@@ -1,4 +1,0 @@
-from multicard.plan.cli import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

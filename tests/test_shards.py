@@ -1,0 +1,420 @@
+"""Packed shards (`multicard pack`, `data.name=shards`): the same training as the folder they were
+packed from, read by standard tools, written atomically, and damaged packs refused in one line.
+
+A folder of 192 + 50 small photos (CIFAR-10 JPEGs where the shared data is present, some turned
+into PNGs) is packed into several shards; training from them and from the folder ends with the
+same parameters bit for bit, under one process and ddp×2, with the workers and device loaders.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from rich.console import Console
+
+from conftest import assert_bitwise_equal, cli, final_params, load_checkpoint, max_rel_diff, slowed, start, wait_for
+from multicard.checkpoint import checkpoints_in
+from multicard.config import load_config
+from multicard.data import read_splits
+from multicard.data.sampling import BatchSplit, ShardedBatchSampler, epoch_permutation
+from multicard.data.shards import INDEX, RUN, WINDOW, ShardSamples, local_order, order_of
+from multicard.data.transforms import FitSquare
+from multicard.data.workers import SourceImages
+from multicard.errors import UserError
+from multicard.pack import PackOptions, pack, run_pack, verify_pack
+
+CIFAR = Path("/work/shared/data/cifar10/train")
+CLASSES = ("airplane", "cat", "dog")
+TRAIN_PER_CLASS, VAL_PER_CLASS = 64, (17, 17, 16)  # 192 training images: 6 steps of 32; 50 divides by neither 2 nor 3
+COMMON = [
+    "model.name=smallcnn", "data.image_size=16", "data.crop_padding=2", "train.epochs=1",
+    "train.global_batch_size=32", "log_every=2", "data.num_workers=1",
+]  # fmt: skip
+STEPS = 192 // 32
+SHARD_MB = "0.06"  # several shards of a split, so reads cross shard files
+
+
+def _photo(rng: np.random.Generator, label: int) -> Image.Image:
+    base = rng.integers(0, 256, (9, 9, 3)).astype(np.float32)
+    base[..., label] = base[..., label] * 0.5 + 127
+    return Image.fromarray(base.astype(np.uint8)).resize((32, 32), Image.Resampling.BILINEAR)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """root/{train,val}/<class>/NNNN.jpg|png: CIFAR-10 files (or made-up photos without them)."""
+    root = tmp_path_factory.mktemp("folder")
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(CLASSES):
+        originals = sorted((CIFAR / name).iterdir())[: TRAIN_PER_CLASS + 20] if (CIFAR / name).is_dir() else []
+        for split, count, skip in (("train", TRAIN_PER_CLASS, 0), ("val", VAL_PER_CLASS[label], TRAIN_PER_CLASS)):
+            (root / split / name).mkdir(parents=True)
+            for k in range(count):
+                image = Image.open(originals[skip + k]) if originals else _photo(rng, label)
+                ext = "png" if k % 5 == 0 else "jpg"  # both formats: bytes are stored as they are
+                if originals and ext == "jpg":
+                    (root / split / name / f"{k:04d}.jpg").write_bytes(originals[skip + k].read_bytes())
+                else:
+                    image.convert("RGB").save(root / split / name / f"{k:04d}.{ext}", quality=90)
+    return root
+
+
+def folder_data(root: Path) -> list[str]:
+    return ["data.name=imagefolder", f"data.root={root}"]
+
+
+def shards_data(packed: Path) -> list[str]:
+    return ["data.name=shards", f"data.root={packed}"]
+
+
+@pytest.fixture(scope="module")
+def packed(folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "shards"
+    result = cli("pack", "--out", str(out), "--shard-mb", SHARD_MB, *folder_data(folder))
+    assert result.returncode == 0, result.stderr
+    assert "packed 192 training and 50 validation samples" in result.stdout
+    return out
+
+
+def splits_of(*overrides: str):
+    return read_splits(load_config(None, list(overrides)).data, 0)
+
+
+def one_line_error(result) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("multicard: error: "), result.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------ the packed files
+
+
+def test_shards_hold_each_files_bytes_and_label_where_the_index_says(folder, packed):
+    shards, files = splits_of(*shards_data(packed)), splits_of(*folder_data(folder))
+    assert shards.classes == files.classes == list(CLASSES)
+    assert len(list(packed.glob("train-*.tar"))) > 2
+    for part in ("train", "val"):
+        ours, theirs = getattr(shards, part), getattr(files, part)
+        assert len(ours) == len(theirs)
+        for i in range(len(theirs)):
+            image, label = ours.dataset[i]
+            assert image.data == (theirs.root / theirs.paths[i]).read_bytes() and label == theirs.labels[i]
+    index = json.loads((packed / INDEX).read_text())
+    assert index["splits"]["train"]["width"][0] == 32 and index["splits"]["train"]["height"][0] == 32
+
+
+def test_webdataset_and_tar_read_the_shards(folder, packed):
+    wds = pytest.importorskip("webdataset")
+    files = splits_of(*folder_data(folder)).train
+    names = sorted(p.name for p in packed.glob("train-*.tar"))
+    samples = list(wds.WebDataset([str(packed / n) for n in names], shardshuffle=False))
+    assert sorted(int(s["__key__"]) for s in samples) == list(range(len(files)))  # the key: its place in the split
+    for sample in samples:
+        i = int(sample["__key__"])
+        ext = "png" if files.paths[i].endswith(".png") else "jpg"
+        assert sample[ext] == (files.root / files.paths[i]).read_bytes()
+        assert int(sample["cls"]) == files.labels[i]
+    listing = subprocess.run(["tar", "tf", str(packed / names[0])], capture_output=True, text=True, check=True)
+    first = samples[0]["__key__"]
+    assert listing.stdout.splitlines()[:2] == [f"{first}.{'png' if 'png' in samples[0] else 'jpg'}", f"{first}.cls"]
+
+
+def test_verify_accepts_the_pack_and_names_a_changed_shard(packed, tmp_path):
+    result = cli("pack", "--verify", str(packed))
+    assert result.returncode == 0 and "242 samples in" in result.stdout, result.stderr
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in packed.iterdir():
+        copy.joinpath(path.name).write_bytes(path.read_bytes())
+    shard = copy / "train-00001.tar"
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0xFF  # same size, other content: only the checksum tells
+    shard.write_bytes(bytes(data))
+    assert f"shard {shard} does not hold what was packed" in one_line_error(cli("pack", "--verify", str(copy)))
+
+
+def test_reads_in_flight_give_the_same_samples_in_the_same_order(packed):
+    source = splits_of(*shards_data(packed), "data.reads_in_flight=8").train
+    one_by_one = SourceImages(splits_of(*shards_data(packed), "data.reads_in_flight=1").train, FitSquare(16))
+    keys = [(0, i) for i in (5, 190, 3, 64, 65, 5)]
+    batch = SourceImages(source, FitSquare(16)).__getitems__(keys)
+    for (x, y, i), key in zip(batch, keys, strict=True):
+        ex, ey, ei = one_by_one[key]
+        assert torch.equal(x, ex) and y == ey and i == ei
+
+
+def test_a_batch_read_in_runs_gives_each_samples_bytes(packed):
+    samples = ShardSamples(splits_of(*shards_data(packed)).train.dataset.split, reads_in_flight=4)
+    assert len(samples._runs(list(range(192)))) < 192 / 4  # neighbours are read together
+    samples.prefetch(list(range(192)))
+    assert all(samples[i][0].data == samples.read(i) for i in range(192))
+
+
+def test_the_local_order_is_a_function_of_seed_and_epoch_that_reads_few_runs():
+    stored = torch.randperm(5000, generator=torch.Generator().manual_seed(1))
+    perm = local_order(stored, 5000, 3, 0)
+    assert torch.equal(perm.sort().values, torch.arange(5000)) and torch.equal(perm, local_order(stored, 5000, 3, 0))
+    assert not torch.equal(perm, local_order(stored, 5000, 3, 1))
+    position = torch.empty(5000, dtype=torch.long)
+    position[stored] = torch.arange(5000)
+    runs_per_batch = [len(set((position[b] // RUN).tolist())) for b in perm[: 19 * 256].view(19, 256)]
+    # A batch reads the runs of its window (of two where it straddles them): far from one run per sample.
+    assert sorted(runs_per_batch)[len(runs_per_batch) // 2] == WINDOW and max(runs_per_batch) <= 2 * WINDOW
+
+
+def test_the_local_order_gives_the_same_global_batches_at_any_world_size(packed):
+    train = splits_of(*shards_data(packed)).train
+    order = order_of(train, "local")
+
+    def batches(world: int) -> list[torch.Tensor]:
+        samplers = [ShardedBatchSampler(192, BatchSplit(32, 1, world), r, 5, order=order) for r in range(world)]
+        for sampler in samplers:
+            sampler.set_epoch(2, start_step=1)
+        return [torch.cat(parts) for parts in zip(*samplers, strict=True)]
+
+    one, two = batches(1), batches(2)
+    assert len(one) == STEPS - 1 and all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert not torch.equal(torch.cat(one), epoch_permutation(192, 5, 2)[32:])
+
+
+def test_reads_in_flight_below_one_is_refused():
+    with pytest.raises(UserError, match="data.reads_in_flight=0 must be > 0"):
+        load_config(None, ["data.reads_in_flight=0"])
+
+
+def test_pixels_of_an_in_memory_dataset_are_packed_losslessly(tmp_path):
+    d = load_config(None, ["data.train_size=40", "data.val_size=10", "data.image_size=8"]).data
+    splits = read_splits(d, 0)
+    pack(d, splits, PackOptions(tmp_path / "p", workers=1))
+    packed = read_splits(load_config(None, [*shards_data(tmp_path / "p"), "data.image_size=8"]).data, 0)
+    for i in (0, 39):
+        image, label = packed.train.dataset[i]
+        pixels = torch.from_numpy(np.array(Image.open(io.BytesIO(image.data)))).permute(2, 0, 1)
+        assert torch.equal(pixels, splits.train.images[i]) and label == splits.train.labels[i]
+
+
+# ------------------------------------------------------------------ the same training
+
+
+def train(out: Path, *args: str, launch: tuple[str, ...] = ()) -> Path:
+    result = cli("train", *launch, *COMMON, *args, f"out_dir={out}")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launch, loader",
+    [
+        pytest.param((), "workers", id="single-workers"),
+        pytest.param(("--nproc-per-node", "2"), "workers", id="ddp2-workers", marks=pytest.mark.distributed),
+        pytest.param((), "device", id="single-device"),
+        pytest.param(("--nproc-per-node", "2"), "device", id="ddp2-device", marks=pytest.mark.distributed),
+    ],
+)
+def test_shards_and_folder_train_to_bitwise_equal_parameters(folder, packed, tmp_path, launch, loader):
+    args = [f"data.loader={loader}"]
+    reference = final_params(train(tmp_path / "folder", *folder_data(folder), *args, launch=launch))
+    from_shards = train(tmp_path / "shards", *shards_data(packed), *args, launch=launch)
+    assert_bitwise_equal(final_params(from_shards), reference)
+    assert load_checkpoint(tmp_path / "shards" / "checkpoints" / "last.pt")["classes"] == list(CLASSES)
+
+
+# float64, no BatchNorm, two epochs under a constant LR with a checkpoint every 2 steps.
+EXACT = ["precision=fp64", "model.kwargs={norm: none}", "train.epochs=2", "sched.name=constant",
+         "checkpoint.every_steps=2", "data.loader=workers"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ddp2_fp64(packed, tmp_path_factory) -> Path:
+    return train(tmp_path_factory.mktemp("ddp2"), *shards_data(packed), *EXACT, launch=("--nproc-per-node", "2"))
+
+
+def sigterm_mid_epoch(packed: Path, out: Path) -> int:
+    """A ddp×2 run on shards stopped by SIGTERM after its first checkpoint; the step it stopped at."""
+    proc = start("train", "--nproc-per-node", "2", *COMMON, *shards_data(packed), *EXACT, f"out_dir={out}",
+                 env=slowed(300))  # fmt: skip
+    wait_for(lambda: bool(checkpoints_in(out / "checkpoints")), what="the first checkpoint (step 2)")
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    stopped = load_checkpoint(out / "checkpoints" / "last.pt")["step"]
+    assert stopped % STEPS and stopped < 2 * STEPS  # inside an epoch
+    return stopped
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("resume_on", [2, 1], ids=["ddp2", "single"])
+def test_sigterm_mid_epoch_on_shards_then_resume_continues_the_epoch(packed, ddp2_fp64, tmp_path, resume_on):
+    stopped = sigterm_mid_epoch(packed, tmp_path)
+    launch = ("--nproc-per-node", "2") if resume_on == 2 else ()
+    result = cli("train", *launch, *COMMON, *shards_data(packed), *EXACT, f"out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    if resume_on == 2:
+        assert_bitwise_equal(final_params(tmp_path), final_params(ddp2_fp64))
+    else:
+        assert f"step {stopped} of {2 * STEPS}" in result.stdout
+        assert max_rel_diff(final_params(tmp_path), final_params(ddp2_fp64)) < 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_local_order_trains_alike_on_one_process_and_ddp2(packed, tmp_path):
+    args = [*shards_data(packed), *EXACT, "data.order=local", "train.epochs=1"]
+    single = final_params(train(tmp_path / "single", *args))
+    ddp2 = final_params(train(tmp_path / "ddp2", *args, launch=("--nproc-per-node", "2")))
+    assert max_rel_diff(ddp2, single) < 1e-10
+
+
+@pytest.mark.distributed
+def test_eval_from_shards_on_3_processes_equals_eval_from_the_folder_on_1(folder, packed, ddp2_fp64):
+    ckpt = str(ddp2_fp64 / "checkpoints" / "last.pt")
+    results = []
+    for launch, data in ((["--nproc-per-node", "3", "--oversubscribe"], []), ([], folder_data(folder))):
+        result = cli("eval", "--checkpoint", ckpt, "--json", *launch, *data)
+        assert result.returncode == 0, result.stderr
+        results.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    shards, files = results
+    assert shards["samples"] == files["samples"] == sum(VAL_PER_CLASS)
+    assert (shards["top1"], shards["top5"]) == (files["top1"], files["top5"])
+    assert shards["loss"] == pytest.approx(files["loss"], rel=1e-12)
+
+
+# ------------------------------------------------------------------ atomic packing
+
+
+# A dataset function over the folder's files whose item 100 blocks on a FIFO while MCPACK_BLOCK names
+# one: a pack of it is certainly mid-way when the test interrupts it, whatever the machine's speed.
+BLOCKING = """
+import os
+from pathlib import Path
+
+
+class Photos:
+    def __init__(self, root):
+        self.paths = sorted(Path(root).glob("*/*"))
+        self.classes = sorted({p.parent.name for p in self.paths})
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        if i == 100 and os.environ.get("MCPACK_BLOCK"):
+            open(os.environ["MCPACK_BLOCK"]).read()  # blocks: nobody writes to it
+        return self.paths[i].read_bytes(), self.classes.index(self.paths[i].parent.name)
+
+
+def photos(split, root):
+    return Photos(Path(root) / split)
+"""
+
+
+def test_sigint_mid_pack_then_rerun_continues_to_a_complete_verified_pack(folder, tmp_path):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "blocking.py").write_text(BLOCKING)
+    os.mkfifo(tmp_path / "fifo")
+    out = tmp_path / "shards"
+    args = ["pack", "--out", str(out), "--workers", "2", "data.name=blocking:photos", f"data.kwargs={{root: {folder}}}"]
+    env = {"PYTHONPATH": str(tmp_path / "code")}
+    proc = start(*args, env={**env, "MCPACK_BLOCK": str(tmp_path / "fifo")})
+    wait_for(lambda: any((out / ".partial").glob("train-*.json")), what="a first packed chunk")
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert not (out / INDEX).exists()
+    with pytest.raises(UserError, match="holds an unfinished pack .* rerun multicard pack to finish it"):
+        splits_of(*shards_data(out))
+    result = cli(*args, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "continuing the unfinished pack" in result.stderr
+    assert not (out / ".partial").exists() and not list(out.glob(".*.tmp"))
+    assert "242 samples in" in verify_pack(out)
+    splits = splits_of(*shards_data(out))
+    assert splits.train.dataset[100][0].data == sorted((folder / "train").glob("*/*"))[100].read_bytes()
+
+
+def test_a_pack_of_another_source_starts_over(folder, tmp_path):
+    d = load_config(None, folder_data(folder)).data
+    out = tmp_path / "shards"
+    pack(d, read_splits(d, 0), PackOptions(out, workers=1))
+    again = load_config(None, [*folder_data(folder), "data.val_root=" + str(folder / "train")]).data
+    said = io.StringIO()
+    pack(again, read_splits(again, 0), PackOptions(out, workers=1), Console(file=said, width=200))
+    assert f"starting over in {out}: its pack was made from another source or with other options" in said.getvalue()
+    assert len(splits_of(*shards_data(out)).val) == 192
+
+
+def test_pack_into_a_folder_that_holds_other_files_is_refused(folder, tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    result = cli("pack", "--out", str(tmp_path), *folder_data(folder))
+    assert f"--out {tmp_path} exists and holds no pack; choose a new or empty folder" in one_line_error(result)
+
+
+@pytest.mark.parametrize(
+    "out, shard_mb, message",
+    [
+        (None, 256.0, "multicard pack needs --out DIR \\(the folder to pack into\\), or --verify DIR"),
+        ("x", 0.0, "--shard-mb 0.0 must be > 0"),
+    ],
+)
+def test_pack_without_a_folder_or_with_a_bad_shard_size_is_refused(tmp_path, out, shard_mb, message):
+    with pytest.raises(UserError, match=message):
+        run_pack(None, [], out and str(tmp_path / out), None, shard_mb, 0)
+
+
+# ------------------------------------------------------------------ damaged packs: one line, exit 2
+
+
+@pytest.fixture
+def copy(packed, tmp_path) -> Path:
+    out = tmp_path / "copy"
+    out.mkdir()
+    for path in packed.iterdir():
+        out.joinpath(path.name).write_bytes(path.read_bytes())
+    return out
+
+
+def test_a_truncated_shard_is_one_line_naming_it(copy):
+    shard = copy / "train-00002.tar"
+    shard.write_bytes(shard.read_bytes()[:-1024])
+    result = cli("train", *COMMON, *shards_data(copy), "train.max_steps=1", f"out_dir={copy / 'run'}")
+    assert f"shard {shard} has " in one_line_error(result) and "it is truncated or was changed" in result.stderr
+
+
+def test_a_missing_shard_is_named(copy):
+    (copy / "val-00000.tar").unlink()
+    with pytest.raises(UserError, match=f"shard {copy / 'val-00000.tar'} is missing"):
+        splits_of(*shards_data(copy))
+
+
+def test_an_index_of_another_version_is_named(copy):
+    index = json.loads((copy / INDEX).read_text())
+    (copy / INDEX).write_text(json.dumps({**index, "version": 99}))
+    with pytest.raises(UserError, match=f"index {copy / INDEX} is format version 99; this multicard reads version 1"):
+        splits_of(*shards_data(copy))
+
+
+def test_a_folder_without_an_index_says_how_to_make_one(tmp_path):
+    with pytest.raises(UserError, match=f"data.root={tmp_path} has no index.json; make it with multicard pack"):
+        splits_of(*shards_data(tmp_path))
+
+
+def test_shard_samples_survive_a_fork(packed):
+    """Loader processes fork from their trainer: each opens its own files (read after a fork)."""
+    samples = ShardSamples(splits_of(*shards_data(packed)).train.dataset.split, reads_in_flight=4)
+    first = samples[0][0].data
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if samples[0][0].data == first and samples._pid == os.getpid() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -1,0 +1,240 @@
+"""The source tree's shape (issue 23's acceptance), read with `ast`: no torch import, a second to run.
+
+- no import cycle among multicard's modules (imports inside functions and under TYPE_CHECKING count);
+- no module imports one of a layer above its own (the order of DESIGN.md's "Layers", in LAYERS);
+- no module imports a `_private` name from another multicard module;
+- the Trainer class is at most 200 lines and every function in src at most 60.
+
+An import of `a.b.c` also runs the package `a.b`'s `__init__`: that counts as an import of `a.b`,
+except from a module inside `a.b` itself (Python initializes a package before its modules). A
+module that imports a name its own package's `__init__` re-exports does import that `__init__`.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGES = ("multicard", "multicard_yardsticks")
+MAX_FUNCTION_LINES = 60
+MAX_TRAINER_LINES = 200
+
+# DESIGN.md's layers, bottom first: a module may import its own layer and those below it. A name
+# is a module or a package (then it covers the package's modules; the longest name that fits wins),
+# except ROOT, which is multicard's own __init__ only.
+ROOT = "multicard"
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("utilities", (ROOT, "multicard.errors", "multicard.atomic", "multicard.torch_compat",
+                   "multicard.host_memory", "multicard.malloc")),
+    ("config", ("multicard.config",)),
+    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping")),
+    ("data", ("multicard.data",)),
+    ("models", ("multicard.models",)),
+    # topology decides which strategy runs on which devices, from the config, the batch split and the data
+    ("strategy", ("multicard.strategy", "multicard.topology", "multicard.precision", "multicard.compilation",
+                  "multicard.optim", "multicard.syncbn")),
+    ("engine", ("multicard.trainer", "multicard.meters", "multicard.phases", "multicard.step_timer", "multicard.ema")),
+    ("checkpoint", ("multicard.checkpoint",)),
+    ("telemetry", ("multicard.telemetry", "multicard.tracking", "multicard.watchdog", "multicard.run_records")),
+    ("session", ("multicard.session", "multicard.commands", "multicard.preflight", "multicard.run_lock",
+                 "multicard.pack")),
+    # the yardsticks are what bench measures against: they depend on nothing of bench's
+    ("yardsticks", ("multicard_yardsticks",)),
+    ("tools", ("multicard.bench", "multicard.verify", "multicard.plan", "multicard.report", "multicard.input_split")),
+    ("cli", ("multicard.cli", "multicard.__main__")),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the imported module or package
+    line: int
+    names: tuple[str, ...] = ()  # names taken from the target (`from target import ...`)
+
+    def where(self) -> str:
+        return f"{module_path(self.source).relative_to(SRC.parent)}:{self.line}"
+
+
+def module_path(name: str) -> Path:
+    path = SRC.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((SRC / package).rglob("*.py")):
+            parts = path.relative_to(SRC).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def is_package(name: str) -> bool:
+    return (SRC.joinpath(*name.split(".")) / "__init__.py").is_file()
+
+
+def ours(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> Iterator[Import]:
+    """Every import of multicard by module `name`, wherever it is written (functions included)."""
+    package = name if is_package(name) else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if ours(alias.name):
+                    yield Import(name, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` packages up
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            if not ours(base):
+                continue
+            names = tuple(a.name for a in node.names)
+            submodules = [n for n in names if f"{base}.{n}" in known]
+            for sub in submodules:
+                yield Import(name, f"{base}.{sub}", node.lineno)
+            others = tuple(n for n in names if n not in submodules)
+            if others:
+                yield Import(name, base, node.lineno, others)
+
+
+def edges() -> list[Import]:
+    """Imports written, and the package `__init__`s they run (see the module docstring)."""
+    known = modules()
+    found = []
+    for name, path in known.items():
+        for imp in imports_of(name, path, known):
+            found.append(imp)
+            parts = imp.target.split(".")
+            for i in range(1, len(parts)):
+                parent = ".".join(parts[:i])
+                if parent in known and not (name == parent or name.startswith(parent + ".")):
+                    found.append(Import(name, parent, imp.line))
+    return [e for e in found if e.target != e.source and e.target in known]
+
+
+def layer_of(name: str) -> int | None:
+    best: tuple[int, int] | None = None  # (length of the name that fits, layer)
+    for index, (_, names) in enumerate(LAYERS):
+        for prefix in names:
+            fits = name == prefix or (prefix != ROOT and name.startswith(prefix + "."))
+            if fits and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return best[1] if best else None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle through each strongly connected group of modules (Tarjan, then BFS)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [shortest_cycle(min(group), graph, group) for group in groups]
+
+
+def shortest_cycle(start: str, graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(name for name in modules() if layer_of(name) is None)
+    assert not missing, "modules without a layer (add them to LAYERS):\n" + "\n".join(missing)
+
+
+def test_no_import_cycle():
+    graph: dict[str, set[str]] = {name: set() for name in modules()}
+    for e in edges():
+        graph[e.source].add(e.target)
+    found = [" → ".join(cycle) for cycle in cycles(graph)]
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = []
+    for e in edges():
+        mine, theirs = layer_of(e.source), layer_of(e.target)
+        if mine is not None and theirs is not None and theirs > mine:
+            upward.append(f"{e.where()} {e.source} ({LAYERS[mine][0]}) imports {e.target} ({LAYERS[theirs][0]})")
+    assert not upward, "imports of a layer above:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_private_name_is_imported_from_another_module():
+    private = [
+        f"{e.where()} {e.source} imports {n} from {e.target}"
+        for e in edges()
+        for n in e.names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert not private, "private names imported:\n" + "\n".join(private)
+
+
+def lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1  # type: ignore[attr-defined,operator]
+
+
+def test_trainer_class_is_at_most_200_lines():
+    tree = ast.parse(module_path("multicard.trainer").read_text(encoding="utf-8"))
+    (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
+    assert lines(trainer) <= MAX_TRAINER_LINES, f"class Trainer is {lines(trainer)} lines"
+
+
+def test_every_function_is_at_most_60_lines():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines(node) > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(SRC.parent)}:{node.lineno} {node.name}: {lines(node)} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_checks_see_a_cycle_an_upward_import_and_a_private_name():
+    """The readers above on a made-up graph and map: they are not blind."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert layer_of("multicard.cli") > layer_of("multicard.plan.planner") > layer_of("multicard.trainer")
+    assert layer_of("multicard.nowhere") is None and layer_of("multicard") == 0
+    assert layer_of("multicard.data.sampling") == layer_of("multicard.data")
