@@ -42,7 +42,10 @@ def test_single_process(tmp_path):
 def test_builtin_launcher_two_processes(tmp_path):
     scratch = tmp_path / "tmp"  # the launcher's temporary files go here, and must be gone at the end
     scratch.mkdir()
-    result = cli("train", "--nproc-per-node", "2", *LEARN, f"out_dir={tmp_path / 'run'}", env={"TMPDIR": str(scratch)})
+    # torch's compile cache is torch's, not the launcher's: its folder is put elsewhere (torch creates
+    # it under TMPDIR on its first optimizer, unless a parent process already chose one)
+    env = {"TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = cli("train", "--nproc-per-node", "2", *LEARN, f"out_dir={tmp_path / 'run'}", env=env)
     assert result.returncode == 0, result.stderr
     _check_run(tmp_path / "run", world_size=2)
     assert "strategy=ddp world_size=2" in result.stdout

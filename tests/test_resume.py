@@ -30,15 +30,16 @@ from multicard.session import open_session
 
 pytestmark = pytest.mark.distributed
 
-# Two epochs of 32 steps under a constant LR (so a run cut by train.max_steps follows the same
+# Two epochs of 16 steps under a constant LR (so a run cut by train.max_steps follows the same
 # schedule as an uninterrupted one), checkpoints every 5 steps.
-EXACT = [*TINY, "train.epochs=2", "sched.name=constant", "checkpoint.every_steps=5", "data.val_size=64"]
+EXACT = [*TINY, "data.train_size=512", "train.epochs=2", "sched.name=constant", "checkpoint.every_steps=5",
+         "data.val_size=64"]  # fmt: skip
 # A job a test acts on while it runs is EXACT with every step of one rank made 150 ms longer by
-# SLOW (about 10 s in all, mostly asleep); the uninterrupted and resumed runs it is compared with
+# SLOW (about 5 s in all, mostly asleep); the uninterrupted and resumed runs it is compared with
 # run at full speed, and share their reference run with the mid-epoch tests.
 SLOW = slowed(150)
 SLOW_SINGLE = slowed(150, rank=0)  # the one process of a run without a launcher
-STEPS = 2 * 1024 // 32
+STEPS = 2 * 512 // 32
 
 
 def run_ok(*args: str) -> subprocess.CompletedProcess:
@@ -69,11 +70,11 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("launch", [(), ("--nproc-per-node", "2")], ids=["single", "ddp2"])
 def test_mid_epoch_resume_is_bitwise_exact(reference, tmp_path, launch, loader):
     args = (*launch, *EXACT, f"data.loader={loader}", "data.num_workers=1")
-    run_ok(*args, "train.max_steps=43", f"out_dir={tmp_path}")  # stops inside the second epoch
+    run_ok(*args, "train.max_steps=21", f"out_dir={tmp_path}")  # stops inside the second epoch
     cut = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
-    assert cut["step"] == 43 and cut["resume"]["position"]["step_in_epoch"] == 11
+    assert cut["step"] == 21 and cut["resume"]["position"]["step_in_epoch"] == 5
     result = run_ok(*args, f"out_dir={tmp_path}")
-    assert "resumed from" in result.stdout and "step 43 of 64" in result.stdout
+    assert "resumed from" in result.stdout and "step 21 of 32" in result.stdout
     assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
 
 
@@ -83,10 +84,10 @@ def test_resume_across_world_sizes_continues_the_epoch(tmp_path):
     single = tmp_path / "single"
     run_ok(*EXACT, *exact, f"out_dir={single}")
     mixed = tmp_path / "mixed"
-    run_ok("--nproc-per-node", "2", *EXACT, *exact, "train.max_steps=21", f"out_dir={mixed}")
-    run_ok(*EXACT, *exact, "train.max_steps=43", f"out_dir={mixed}")
+    run_ok("--nproc-per-node", "2", *EXACT, *exact, "train.max_steps=11", f"out_dir={mixed}")
+    run_ok(*EXACT, *exact, "train.max_steps=21", f"out_dir={mixed}")
     result = run_ok("--nproc-per-node", "2", *EXACT, *exact, f"out_dir={mixed}")
-    assert "step 43 of 64" in result.stdout
+    assert "step 21 of 32" in result.stdout
     a, b = final_params(mixed), final_params(single)
     assert max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b) < 1e-10
 
@@ -140,7 +141,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash without atomic writes
     result = run_ok(*EXACT, f"out_dir={tmp_path}")
     assert "skipping damaged" in result.stdout and newest.name in result.stdout
-    assert "step 10 of 64" in result.stdout
+    assert "step 10 of 32" in result.stdout
 
 
 # ------------------------------------------------------------------ signals and restarts

@@ -159,7 +159,8 @@ def speednet(
     designs of the CIFAR speed records (airbench): a frozen patch-whitening first layer
     (PatchWhitening), then per width a block conv → max-pool → BN → GELU → conv → BN → GELU, where
     BatchNorm has no learned scale and a fast-moving shift, every convolution starts as the identity
-    on its first input channels, and the logits are scaled down.
+    on its first input channels, and the logits are scaled down. The default widths are airbench's;
+    the recipe uses 32/128/128, a third of their cost per image on our CPUs.
     """
 
     def conv(cin: int, cout: int) -> nn.Conv2d:
@@ -169,8 +170,8 @@ def speednet(
         return layer
 
     def norm(width: int) -> list[nn.Module]:
-        norm = nn.BatchNorm2d(width, eps=1e-12, momentum=bn_momentum, affine=False)
-        return [norm, _Shift(width, bias_scale), nn.GELU()]
+        batchnorm = nn.BatchNorm2d(width, eps=1e-12, momentum=bn_momentum, affine=False)
+        return [batchnorm, _Shift(width, bias_scale), nn.GELU()]
 
     whitening = PatchWhitening(patch, whiten_eps)
     layers: list[nn.Module] = [whitening, nn.GELU()]
