@@ -183,7 +183,7 @@ def test_7_a_collective_timeout_is_one_line_with_code_5(tmp_path):
         wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
         os.kill(ranks[1].pid, signal.SIGSTOP)
         _, err = ranks[0].communicate(timeout=60)
-        assert ranks[0].returncode == 5
+        assert ranks[0].returncode == 5, err
         assert "(rank 0): a collective waited longer than dist_timeout_s for another rank" in one_line(err)
     finally:
         for proc in ranks:

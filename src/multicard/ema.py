@@ -11,18 +11,26 @@ back, which needs no second module under any strategy.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+
+def is_dtensor(t: Any) -> bool:
+    """A DTensor (fsdp's sharded tensors). Without torch.distributed.tensor loaded there is none:
+    the module is not imported for the question (it costs every process ~0.4 s to start)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores for `t` (its shard under fsdp)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def averaged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -79,7 +87,9 @@ class WeightAverage:
         out: dict[str, torch.Tensor] = {}
         for n, t in self.tensors.items():
             ref = current[n]
-            if isinstance(ref, DTensor):  # the shape given: the last rank's shard may be the short one
+            if is_dtensor(ref):  # the shape given: the last rank's shard may be the short one
+                from torch.distributed.tensor import DTensor
+
                 t = DTensor.from_local(t, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride())
                 t = t.full_tensor() if whole else t
             out[n] = t
@@ -91,6 +101,8 @@ class WeightAverage:
         with torch.no_grad():
             for n, t in self.tensors.items():
                 value, ref = state[n], current[n]
-                if isinstance(ref, DTensor) and not isinstance(value, DTensor):
+                if is_dtensor(ref) and not is_dtensor(value):
+                    from torch.distributed.tensor import distribute_tensor
+
                     value = distribute_tensor(value.to(t.device), ref.device_mesh, ref.placements)
                 t.copy_(local(value))
