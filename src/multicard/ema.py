@@ -61,7 +61,8 @@ class WeightAverage:
         ours, theirs = [self.tensors[n] for n in names], [local(current[n]).detach() for n in names]
         if step - self.every <= self.start:
             with torch.no_grad():
-                torch._foreach_copy_(ours, theirs)
+                for average, weight in zip(ours, theirs, strict=True):
+                    average.copy_(weight)
         else:
             self.update_fn(ours, theirs, step)
 
