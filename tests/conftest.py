@@ -4,6 +4,7 @@ checkpoint helpers, and the hook that skips `cuda`-marked tests on machines with
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -101,6 +102,19 @@ def start(*args: str, env: dict | None = None) -> subprocess.Popen:
         [sys.executable, "-m", "multicard", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(env), start_new_session=True,
     )  # fmt: skip
+
+
+def stopped_after_first_checkpoint(out: Path, *args: str, env: dict | None = None) -> int:
+    """`multicard train ARGS out_dir=OUT` (a slowed run) stopped by SIGTERM once its first
+    checkpoint is there: it exits 143 having written one more; the step that one holds."""
+    from multicard.checkpoint import checkpoints_in
+
+    proc = start("train", *args, f"out_dir={out}", env=env)
+    wait_for(lambda: bool(checkpoints_in(out / "checkpoints")), what="the first checkpoint")
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    return load_checkpoint(out / "checkpoints" / "last.pt")["step"]
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

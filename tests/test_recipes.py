@@ -5,9 +5,7 @@ sample; progressive resizing by epoch; their options refused with one line when 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
@@ -21,10 +19,9 @@ from conftest import (
     load_checkpoint,
     max_rel_diff,
     slowed,
-    start,
-    wait_for,
+    stopped_after_first_checkpoint,
 )
-from multicard.checkpoint import checkpoints_in, read_checkpoint
+from multicard.checkpoint import read_checkpoint
 from multicard.config import DataConfig, MixConfig, load_config
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.mixing import BatchMix
@@ -282,13 +279,7 @@ def test_every_recipe_part_on_ddp2_trains_like_one_process(ddp2_recipe, tmp_path
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_every_recipe_part_resumes_mid_epoch_bitwise(ddp2_recipe, tmp_path):
-    proc = start("train", *DDP2, *RECIPE, f"out_dir={tmp_path}", env=slowed(300))
-    ckpts = tmp_path / "checkpoints"
-    wait_for(lambda: bool(checkpoints_in(ckpts)), what="the first checkpoint (step 2)")
-    os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    stopped = load_checkpoint(ckpts / "last.pt")["step"]
+    stopped = stopped_after_first_checkpoint(tmp_path, *DDP2, *RECIPE, env=slowed(300))
     assert stopped % 8 and stopped < 16  # inside an epoch
     recipe_run(tmp_path, *DDP2)
     assert_bitwise_equal(model_and_average(tmp_path), model_and_average(ddp2_recipe))

@@ -21,8 +21,17 @@ import torch
 from PIL import Image
 from rich.console import Console
 
-from conftest import assert_bitwise_equal, cli, final_params, load_checkpoint, max_rel_diff, slowed, start, wait_for
-from multicard.checkpoint import checkpoints_in
+from conftest import (
+    assert_bitwise_equal,
+    cli,
+    final_params,
+    load_checkpoint,
+    max_rel_diff,
+    slowed,
+    start,
+    stopped_after_first_checkpoint,
+    wait_for,
+)
 from multicard.config import load_config
 from multicard.data import read_splits
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler, epoch_permutation
@@ -242,13 +251,8 @@ def ddp2_fp64(packed, tmp_path_factory) -> Path:
 
 def sigterm_mid_epoch(packed: Path, out: Path) -> int:
     """A ddp×2 run on shards stopped by SIGTERM after its first checkpoint; the step it stopped at."""
-    proc = start("train", "--nproc-per-node", "2", *COMMON, *shards_data(packed), *EXACT, f"out_dir={out}",
-                 env=slowed(300))  # fmt: skip
-    wait_for(lambda: bool(checkpoints_in(out / "checkpoints")), what="the first checkpoint (step 2)")
-    os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    stopped = load_checkpoint(out / "checkpoints" / "last.pt")["step"]
+    args = ["--nproc-per-node", "2", *COMMON, *shards_data(packed), *EXACT]
+    stopped = stopped_after_first_checkpoint(out, *args, env=slowed(300))
     assert stopped % STEPS and stopped < 2 * STEPS  # inside an epoch
     return stopped
 

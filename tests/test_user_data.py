@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -21,8 +20,15 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_bitwise_equal, cli, final_params, load_checkpoint, max_rel_diff, slowed, start, wait_for
-from multicard.checkpoint import checkpoints_in
+from conftest import (
+    assert_bitwise_equal,
+    cli,
+    final_params,
+    load_checkpoint,
+    max_rel_diff,
+    slowed,
+    stopped_after_first_checkpoint,
+)
 from multicard.config import load_config
 from multicard.data import read_splits
 from multicard.data.encoded import EncodedImage
@@ -218,14 +224,9 @@ def test_ddp2_on_a_dataset_function_equals_one_process(photos, single_fp64, tmp_
 
 @pytest.mark.distributed
 def test_sigterm_mid_epoch_then_resume_on_one_process_continues_the_epoch(photos, single_fp64, tmp_path):
-    args = ["train", "--nproc-per-node", "2", *COMMON, *function(photos), *EXACT, f"out_dir={tmp_path}"]
-    proc = start(*args, env={**slowed(300, path=photos / "code"), "HF_HOME": str(photos / "hf-home")})
-    ckpts = tmp_path / "checkpoints"
-    wait_for(lambda: bool(checkpoints_in(ckpts)), what="the first checkpoint (step 2)")
-    os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    stopped = load_checkpoint(ckpts / "last.pt")["step"]
+    args = ["--nproc-per-node", "2", *COMMON, *function(photos), *EXACT]
+    slow = {**slowed(300, path=photos / "code"), "HF_HOME": str(photos / "hf-home")}
+    stopped = stopped_after_first_checkpoint(tmp_path, *args, env=slow)
     assert stopped % STEPS and stopped < 2 * STEPS  # inside an epoch
     result = cli("train", *COMMON, *function(photos), *EXACT, f"out_dir={tmp_path}", env=env(photos))
     assert result.returncode == 0, result.stderr
