@@ -33,7 +33,7 @@ test: $(VENV)/.installed-dev
 
 # The unit tests alone (no multi-process or end-to-end runs): under a minute, for work in progress.
 test-fast: $(VENV)/.installed-dev
-	$(PY) -m pytest -m "not distributed and not slow"
+	$(PY) -m pytest -m "not distributed and not slow" -n 2 --dist loadfile
 
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check src tests

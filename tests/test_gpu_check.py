@@ -107,6 +107,7 @@ def gpu_check(out: Path, timeout: float, **env: str) -> tuple[subprocess.Complet
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_gpu_check_stops_in_its_preflight_naming_a_missing_module(tmp_path):
     (tmp_path / "no-wheels").mkdir()
     result, seconds = gpu_check(tmp_path / "out", 60, PYTHONPATH=omegaconf_hidden(tmp_path),
@@ -117,6 +118,7 @@ def test_gpu_check_stops_in_its_preflight_naming_a_missing_module(tmp_path):
     assert "== throughput" not in result.stdout  # nothing after the preflight ran
 
 
+@pytest.mark.slow
 def test_gpu_check_with_require_cuda_stops_without_a_gpu(tmp_path):
     result, _ = gpu_check(tmp_path, 60, REQUIRE_CUDA="1")
     assert result.returncode == NO_CUDA, result.stdout + result.stderr

@@ -143,6 +143,7 @@ def test_27_7_disk_full_during_a_sharded_save_removes_the_partial_write(tmp_path
         subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.slow
 def test_27_8_a_step_directory_without_its_marker_is_named_and_refused(sharded, tmp_path, capsys):
     out = copy_of(sharded, tmp_path)
     unmarked = step_dir(out, 6)

@@ -157,6 +157,7 @@ def test_27_12_plan_bench_and_verify_refuse_an_output_folder_they_cannot_use_bef
 # ------------------------------------------------------------------ case 15: plan's bounds, quiet --measure
 
 
+@pytest.mark.slow
 def test_27_15_plan_bounds_say_the_truth_and_measure_prints_no_profiler_noise(tmp_path, capsys):
     assert main(["plan", "--memory-gb", "1e9", "--out", str(tmp_path)]) == 2
     assert "--memory-gb 1e+09 must be more than 0 and at most 100,000 GB" in one_line(capsys.readouterr().err)
@@ -209,6 +210,7 @@ def test_27_16_crafted_weights_are_refused_in_one_line_without_torchs_warning(tm
 # ------------------------------------------------------------------ case 17
 
 
+@pytest.mark.slow
 def test_27_17_a_one_process_sharded_save_prints_no_torch_warning(tmp_path):
     done = cli("train", *TINY, "data.train_size=64", "checkpoint.format=sharded", f"out_dir={tmp_path}")
     assert done.returncode == 0, done.stderr

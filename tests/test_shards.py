@@ -138,6 +138,7 @@ def test_webdataset_and_tar_read_the_shards(folder, packed):
     assert listing.stdout.splitlines()[:2] == [f"{first}.{'png' if 'png' in samples[0] else 'jpg'}", f"{first}.cls"]
 
 
+@pytest.mark.slow
 def test_verify_accepts_the_pack_and_names_a_changed_shard(packed, tmp_path):
     result = cli("pack", "--verify", str(packed))
     assert result.returncode == 0 and "242 samples in" in result.stdout, result.stderr
@@ -323,6 +324,7 @@ def photos(split, root):
 """
 
 
+@pytest.mark.slow
 def test_sigint_mid_pack_then_rerun_continues_to_a_complete_verified_pack(folder, tmp_path):
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "blocking.py").write_text(BLOCKING)

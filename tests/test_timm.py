@@ -54,6 +54,7 @@ def test_timm_without_the_extra_is_a_one_line_error(monkeypatch):
     assert "\n" not in message and "pip install 'multicard[timm]'" in message
 
 
+@pytest.mark.slow
 def test_cli_without_timm_exits_2_with_one_line(tmp_path):
     """The same, through `multicard train` in a process where timm cannot be imported."""
     hide_timm = "import sys; sys.modules['timm'] = None; from multicard.cli import main; sys.exit(main())"
