@@ -39,7 +39,7 @@ EXACT = [*TINY, "train.epochs=2", "sched.name=constant", "checkpoint.every_steps
 STEPS = 2 * 1024 // 32
 TORCH_AGENT_WAIT_S = 30  # what torch's elastic agent alone gives workers to stop before it kills them
 # A stop that needs longer than that (asleep: wall time, not CPU); MULTICARD_SLOW_STOP_S=60 tries a longer one.
-SLOW_STOP_S = float(os.environ.get("MULTICARD_SLOW_STOP_S", TORCH_AGENT_WAIT_S + 10))
+SLOW_STOP_S = float(os.environ.get("MULTICARD_SLOW_STOP_S", TORCH_AGENT_WAIT_S + 5))
 
 
 def one_line(err: str) -> str:

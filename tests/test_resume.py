@@ -75,7 +75,8 @@ def test_mid_epoch_resume_is_bitwise_exact(reference, tmp_path, launch, loader):
     assert cut["step"] == 21 and cut["resume"]["position"]["step_in_epoch"] == 5
     result = run_ok(*args, f"out_dir={tmp_path}")
     assert "resumed from" in result.stdout and "step 21 of 32" in result.stdout
-    assert_bitwise_equal(final_params(tmp_path), final_params(reference(*args)))
+    # Either loader gives the uninterrupted run (the same samples, augmented alike): one reference.
+    assert_bitwise_equal(final_params(tmp_path), final_params(reference(*launch, *EXACT)))
 
 
 def test_resume_across_world_sizes_continues_the_epoch(tmp_path):

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -222,6 +223,20 @@ def train(out: Path, *args: str, launch: tuple[str, ...] = ()) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def folder_run(folder, tmp_path_factory) -> Callable[[tuple[str, ...]], Path]:
+    """The out_dir of a training on the folder under `launch`, once per launch: either loader
+    gives it (the same samples, augmented alike), so one run is the reference of both."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def get(launch: tuple[str, ...]) -> Path:
+        if launch not in runs:
+            runs[launch] = train(tmp_path_factory.mktemp("folder"), *folder_data(folder), launch=launch)
+        return runs[launch]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "launch, loader",
@@ -232,11 +247,9 @@ def train(out: Path, *args: str, launch: tuple[str, ...] = ()) -> Path:
         pytest.param(("--nproc-per-node", "2"), "device", id="ddp2-device", marks=pytest.mark.distributed),
     ],
 )
-def test_shards_and_folder_train_to_bitwise_equal_parameters(folder, packed, tmp_path, launch, loader):
-    args = [f"data.loader={loader}"]
-    reference = final_params(train(tmp_path / "folder", *folder_data(folder), *args, launch=launch))
-    from_shards = train(tmp_path / "shards", *shards_data(packed), *args, launch=launch)
-    assert_bitwise_equal(final_params(from_shards), reference)
+def test_shards_and_folder_train_to_bitwise_equal_parameters(folder, packed, folder_run, tmp_path, launch, loader):
+    from_shards = train(tmp_path / "shards", *shards_data(packed), f"data.loader={loader}", launch=launch)
+    assert_bitwise_equal(final_params(from_shards), final_params(folder_run(launch)))
     assert load_checkpoint(tmp_path / "shards" / "checkpoints" / "last.pt")["classes"] == list(CLASSES)
 
 
@@ -302,6 +315,7 @@ def test_eval_from_shards_on_3_processes_equals_eval_from_the_folder_on_1(folder
 # one: a pack of it is certainly mid-way when the test interrupts it, whatever the machine's speed.
 BLOCKING = """
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
