@@ -139,7 +139,8 @@ def mount(tmp_path):
 @pytest.mark.slow
 def test_an_image_folder_on_the_nocache_mount_is_attributed_to_storage_reads(folder, mount):
     rank, advice = split_lines("data.name=imagefolder", f"data.root={mount}{folder}")
-    assert read_share(rank) > 0.5, rank
+    shares = dict(re.findall(r"(read|decode|augment) [0-9.]+ ms \((\d+)%\)", rank))
+    assert max(shares, key=lambda stage: int(shares[stage])) == "read", rank  # the largest stage: what advice follows
     # Whether input limits training depends on the model step's time beside it, which a loaded
     # machine stretches: the advice follows the line's own numbers.
     found = re.search(r"input ([0-9.]+) ms against a model step of ([0-9.]+) ms", rank)
