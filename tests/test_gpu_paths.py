@@ -8,7 +8,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from conftest import LEARN, TINY, cli, load_checkpoint, max_rel_diff, requires_2_gpus
+from conftest import LEARN, TINY, cli, load_checkpoint, max_rel_diff, requires_2_gpus, run_here
 from multicard import process_group, topology
 from multicard.config import load_config
 from multicard.errors import UserError
@@ -113,8 +113,7 @@ def compiled_ddp2(tmp_path_factory):
     """The out_dir of a compiled DDP×2 run (float64). Compiling is most of a test's time on the
     CPU, so the two tests below share this run."""
     out = tmp_path_factory.mktemp("compiled")
-    result = cli("train", "--nproc-per-node", "2", *PARITY, "compile=true", f"out_dir={out}")
-    assert result.returncode == 0, result.stderr
+    run_here("train", "--nproc-per-node", "2", *PARITY, "compile=true", f"out_dir={out}")
     return out
 
 
@@ -134,7 +133,7 @@ def test_compiled_training_checkpoints_the_bare_model(compiled_ddp2):
 def test_compiled_ddp2_trains_like_eager_single_process(compiled_ddp2, tmp_path):
     """DDP around a compiled model still all-reduces every gradient: compiled DDP×2 ends where an
     eager single process does (float64; only kernel rounding differs)."""
-    assert cli("train", *PARITY, f"out_dir={tmp_path}").returncode == 0
+    run_here("train", *PARITY, f"out_dir={tmp_path}")
     compiled = _assert_bare_checkpoint(compiled_ddp2 / "checkpoints" / "last.pt")["model"]
     assert max_rel_diff(compiled, load_checkpoint(tmp_path / "checkpoints" / "last.pt")["model"]) < 1e-9
 

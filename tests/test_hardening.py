@@ -24,6 +24,7 @@ from conftest import (
     cli,
     descendants,
     load_checkpoint,
+    run_here,
     start,
     wait_for,
     worker_pid,
@@ -406,8 +407,7 @@ def test_16_metrics_have_no_duplicate_steps_after_resuming_from_a_crash(tmp_path
     proc.kill()  # a crash: metrics.jsonl has steps after the last checkpoint
     proc.wait()
     saved = load_file(checkpoints_in(tmp_path / "checkpoints")[0])["step"]
-    result = cli("train", *RUNNING, "log_every=1", f"train.max_steps={saved + 10}", f"out_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
+    run_here("train", *RUNNING, "log_every=1", f"train.max_steps={saved + 10}", f"out_dir={tmp_path}")
     metrics = (tmp_path / "metrics.jsonl").read_text()
     steps = [int(s) for s in re.findall(r'"kind": "step", "epoch": \d+, "step": (\d+)', metrics)]
     assert steps == list(range(1, saved + 11))
@@ -422,7 +422,6 @@ def test_16_a_file_where_the_checkpoint_folder_goes_fails_at_once(tmp_path, caps
 
 @pytest.mark.slow
 def test_17_a_run_says_early_how_long_it_will_take(tmp_path):
-    result = cli("train", *TINY, "train.epochs=2", f"out_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"estimated time: \d+ (s|min \d+ s) for the \d+ steps left", result.stdout), result.stdout
+    output = run_here("train", *TINY, "train.epochs=2", f"out_dir={tmp_path}")
+    assert re.search(r"estimated time: \d+ (s|min \d+ s) for the \d+ steps left", output), output
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 64

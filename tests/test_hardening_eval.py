@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TINY, cli
+from conftest import TINY, run_here
 from multicard.cli import main
 
 # float64 and BatchNorm (smallcnn's default), sync_bn=false (the default): each rank's last
@@ -19,18 +19,16 @@ RUN = [*TINY, "precision=fp64", "data.train_size=512", "data.val_size=203", "tra
 @pytest.mark.parametrize("strategy, fmt", [("ddp", "file"), ("fsdp", "sharded")])
 def test_27_1_validation_in_training_equals_eval_of_the_checkpoint(tmp_path, capsys, strategy, fmt):
     out = tmp_path / "run"
-    run = cli("train", *RUN, f"strategy={strategy}", f"checkpoint.format={fmt}", f"out_dir={out}",
-              "--nproc-per-node", "2")  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    options = [f"strategy={strategy}", f"checkpoint.format={fmt}", f"out_dir={out}"]
+    run_here("train", "--nproc-per-node", "2", *RUN, *options)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if r.get("kind") == "epoch"][-1]
     assert last["step"] == 12
     checkpoint = out / "checkpoints" / ("last.pt" if fmt == "file" else "last")
     results = []
     if strategy == "ddp":  # two ranks, as in training: the same float64 sums in the same order
-        two = cli("eval", "--checkpoint", str(checkpoint), "--json", "--nproc-per-node", "2")
-        assert two.returncode == 0, two.stderr
-        results.append((json.loads(two.stdout.strip().splitlines()[-1]), True))
+        two = run_here("eval", "--checkpoint", str(checkpoint), "--json", "--nproc-per-node", "2")
+        results.append((json.loads(two.strip().splitlines()[-1]), True))
     assert main(["eval", "--checkpoint", str(checkpoint), "--json"]) == 0
     results.append((json.loads(capsys.readouterr().out), False))
     for result, exact in results:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, cli, final_params, max_rel_diff
+from conftest import TINY, cli, final_params, max_rel_diff, run_here
 from multicard.checkpoint import read_checkpoint
 from multicard.cli import main
 
@@ -28,10 +28,9 @@ def one_line(err: str) -> str:
     return err.strip()
 
 
-def run_ok(*args: str) -> subprocess.CompletedProcess:
-    result = cli("train", *args)
-    assert result.returncode == 0, result.stderr
-    return result
+def run_ok(*args: str) -> str:
+    """`multicard train ARGS` run by this process (conftest.run_here); its stdout and its workers'."""
+    return run_here("train", *args)
 
 
 def copy_of(run: Path, tmp_path: Path) -> Path:
@@ -104,10 +103,10 @@ def test_27_6_a_damaged_newest_sharded_checkpoint_is_skipped_once_and_named(shar
     out = copy_of(sharded, tmp_path)
     missing = step_dir(out, 6) / "__1_0.distcp"
     missing.unlink()
-    result = run_ok(*FSDP2, *EXACT, "train.max_steps=8", f"out_dir={out}")
-    skipped = [line for line in result.stdout.splitlines() if "skipping damaged" in line]
-    assert len(skipped) == 1 and f"({missing} is missing)" in skipped[0], result.stdout  # once, not per rank
-    assert f"resumed from {step_dir(out, 4)}:" in result.stdout
+    output = run_ok(*FSDP2, *EXACT, "train.max_steps=8", f"out_dir={out}")
+    skipped = [line for line in output.splitlines() if "skipping damaged" in line]
+    assert len(skipped) == 1 and f"({missing} is missing)" in skipped[0], output  # once, not per rank
+    assert f"resumed from {step_dir(out, 4)}:" in output
     damaged = copy_of(sharded, tmp_path / "truncated")
     shard = step_dir(damaged, 6) / "__0_0.distcp"
     os.truncate(shard, 100)
@@ -167,9 +166,9 @@ def test_27_8_a_step_directory_without_its_marker_is_named_and_refused(sharded, 
 def test_27_9_fsdp_and_zero1_resume_each_others_checkpoints_exactly(sharded, tmp_path):
     """fsdp×2 to step 6 (shards), ZeRO-1 to 8 (a file), fsdp×2 to 10: one process's parameters."""
     out = copy_of(sharded, tmp_path)
-    assert f"resumed from {step_dir(out, 6)}:" in run_ok(*ZERO1, *EXACT, "train.max_steps=8", f"out_dir={out}").stdout
+    assert f"resumed from {step_dir(out, 6)}:" in run_ok(*ZERO1, *EXACT, "train.max_steps=8", f"out_dir={out}")
     back = run_ok(*FSDP2, *EXACT, "train.max_steps=10", f"out_dir={out}")
-    assert f"resumed from {out / 'checkpoints' / 'step-000000008.pt'}:" in back.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step-000000008.pt'}:" in back
     alone = tmp_path / "alone"
     assert main(["train", *EXACT, "train.max_steps=10", f"out_dir={alone}"]) == 0
     assert max_rel_diff(final_params(out), final_params(alone)) < 1e-10

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, assert_bitwise_equal, clean_env, cli, final_params
+from conftest import TINY, assert_bitwise_equal, clean_env, cli, final_params, run_here
 
 pytestmark = pytest.mark.distributed
 
@@ -132,8 +132,7 @@ def one_host_reference(tmp_path_factory):
     """Final parameters of the same job as 2 processes on one host."""
     out = tmp_path_factory.mktemp("one-host")
     config = str(ROOT / "configs" / "demo.yaml")
-    result = cli("train", "--config", config, "--nproc-per-node", "2", *SMALL, f"out_dir={out}")
-    assert result.returncode == 0, result.stderr
+    run_here("train", "--config", config, "--nproc-per-node", "2", *SMALL, f"out_dir={out}")
     return final_params(out)
 
 

@@ -18,6 +18,7 @@ from conftest import (
     final_params,
     load_checkpoint,
     max_rel_diff,
+    run_here,
     slowed,
     stopped_after_first_checkpoint,
 )
@@ -135,8 +136,7 @@ def test_policies_train_alike_from_the_device_and_the_workers_loader(tmp_path):
     params = {}
     for name, extra in (("device", []), ("workers", []), ("plain", ["data.policy=none", "data.random_erasing=0"])):
         loader = "workers" if name == "workers" else "device"
-        result = cli("train", *run, *extra, f"data.loader={loader}", f"out_dir={tmp_path / name}")
-        assert result.returncode == 0, result.stderr
+        run_here("train", *run, *extra, f"data.loader={loader}", f"out_dir={tmp_path / name}")
         params[name] = final_params(tmp_path / name)
     assert_bitwise_equal(params["workers"], params["device"])
     assert any(not torch.equal(params["plain"][k], params["device"][k]) for k in params["device"])
@@ -251,9 +251,9 @@ RECIPE = [*TINY, "data.train_size=256", "data.val_size=64", "train.epochs=2", "p
 DDP2 = ("--nproc-per-node", "2")
 
 
-def recipe_run(out: Path, *launch: str, env: dict | None = None) -> Path:
-    result = cli("train", *launch, *RECIPE, f"out_dir={out}", env=env)
-    assert result.returncode == 0, result.stderr
+def recipe_run(out: Path, *launch: str) -> Path:
+    """out, after `multicard train` there, run by this process (conftest.run_here)."""
+    run_here("train", *launch, *RECIPE, f"out_dir={out}")
     return out
 
 
@@ -291,22 +291,18 @@ def test_eval_and_export_of_the_average_give_what_the_run_validated(ddp2_recipe,
     last = str(ddp2_recipe / "checkpoints" / "last.pt")
     epochs = [json.loads(line) for line in (ddp2_recipe / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in epochs if r["kind"] == "epoch"][-1]
-    result = cli("eval", "--checkpoint", last, "--ema", "--json")
-    assert result.returncode == 0, result.stderr
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    measured = json.loads(run_here("eval", "--checkpoint", last, "--ema", "--json").strip().splitlines()[-1])
     assert measured["top1"] == final["ema_val_top1"] and measured["loss"] == pytest.approx(
         final["ema_val_loss"], rel=1e-12
     )
-    result = cli("export", "--checkpoint", last, "--ema", "--out", str(tmp_path / "ema.pt"))
-    assert result.returncode == 0, result.stderr
+    run_here("export", "--checkpoint", last, "--ema", "--out", str(tmp_path / "ema.pt"))
     exported = torch.load(tmp_path / "ema.pt", weights_only=True)
     assert_bitwise_equal(exported, {**load_checkpoint(Path(last))["model"], **load_checkpoint(Path(last))["ema"]})
 
 
 @pytest.mark.slow
 def test_ema_flags_on_a_checkpoint_without_one_are_one_line(tmp_path):
-    result = cli("train", *TINY, "data.train_size=64", "data.val_size=32", f"out_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
+    run_here("train", *TINY, "data.train_size=64", "data.val_size=32", f"out_dir={tmp_path}")
     last = str(tmp_path / "checkpoints" / "last.pt")
     for command in (
         ["eval", "--checkpoint", last, "--ema"],

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from conftest import (
     descendants,
     final_params,
     max_rel_diff,
+    run_here,
     slowed,
     start,
     train_on_two_nodes,
@@ -42,10 +42,9 @@ def launch(nproc: int) -> list[str]:
     return ["--nproc-per-node", str(nproc), "--oversubscribe"] if nproc > 1 else []
 
 
-def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = cli("train", *args, env=MODELS, timeout=timeout)
-    assert result.returncode == 0, result.stderr
-    return result
+def train(*args: str) -> str:
+    """`multicard train ARGS` run by this process (conftest.run_here); its stdout and its workers'."""
+    return run_here("train", *args, env=MODELS)
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +124,15 @@ def test_stopped_fsdp2_run_resumes_under_another_layout_exactly(uninterrupted, t
     stopped = re.search(r"stopped by SIGTERM at step (\d+)", err)
     assert stopped and 5 <= int(stopped[1]) < 40  # mid-run
     layout = [*launch(3), "strategy=fsdp"] if resume_with == 3 else ["strategy=single"]
-    result = train(*LONG, *layout, f"out_dir={tmp_path}")
-    assert f"resumed from {tmp_path / 'checkpoints'}/step-{int(stopped[1]):09d}" in result.stdout
+    output = train(*LONG, *layout, f"out_dir={tmp_path}")
+    assert f"resumed from {tmp_path / 'checkpoints'}/step-{int(stopped[1]):09d}" in output
     assert max_rel_diff(final_params(tmp_path), final_params(uninterrupted)) < 1e-10
     if resume_with == 3:  # export, then eval in one process: the run's own final top-1 and loss
         exported = tmp_path / "model.pt"
         assert main(["export", "--checkpoint", str(tmp_path / "checkpoints" / "last"), "--out", str(exported)]) == 0
-        evaluated = cli("eval", "--checkpoint", str(tmp_path / "checkpoints" / "last"), "--json", env=MODELS)
-        assert evaluated.returncode == 0, evaluated.stderr
+        evaluated = run_here("eval", "--checkpoint", str(tmp_path / "checkpoints" / "last"), "--json")
         final = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
-        got = json.loads(evaluated.stdout.strip().splitlines()[-1])
+        got = json.loads(evaluated.strip().splitlines()[-1])
         # The same sums over the same images; only their order differs (3 ranks' shards, then one).
         assert got["top1"] == final["val_top1"] and got["loss"] == pytest.approx(final["val_loss"], rel=1e-12)
         assert torch.load(exported, weights_only=True).keys() == final_params(tmp_path).keys()
@@ -161,9 +159,9 @@ def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     complete = [p.name for p in checkpoints_in(folder)]
     assert unfinished and complete
     newest = max(int(name[len("step-") :]) for name in complete)
-    result = train(*launch(2), *big, f"train.max_steps={newest + 1}", f"out_dir={tmp_path}")
-    assert f"removed {unfinished[0]}: a run ended while writing that checkpoint" in result.stdout
-    assert f"resumed from {folder}/step-{newest:09d}" in result.stdout
+    output = train(*launch(2), *big, f"train.max_steps={newest + 1}", f"out_dir={tmp_path}")
+    assert f"removed {unfinished[0]}: a run ended while writing that checkpoint" in output
+    assert f"resumed from {folder}/step-{newest:09d}" in output
 
 
 # ------------------------------------------------------------------ bad input

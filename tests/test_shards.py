@@ -28,6 +28,7 @@ from conftest import (
     final_params,
     load_checkpoint,
     max_rel_diff,
+    run_here,
     slowed,
     start,
     stopped_after_first_checkpoint,
@@ -218,8 +219,8 @@ def test_pixels_of_an_in_memory_dataset_are_packed_losslessly(tmp_path):
 
 
 def train(out: Path, *args: str, launch: tuple[str, ...] = ()) -> Path:
-    result = cli("train", *launch, *COMMON, *args, f"out_dir={out}")
-    assert result.returncode == 0, result.stderr
+    """out, after `multicard train` there, run by this process (conftest.run_here)."""
+    run_here("train", *launch, *COMMON, *args, f"out_dir={out}")
     return out
 
 
@@ -275,13 +276,12 @@ def sigterm_mid_epoch(packed: Path, out: Path) -> int:
 @pytest.mark.parametrize("resume_on", [2, 1], ids=["ddp2", "single"])
 def test_sigterm_mid_epoch_on_shards_then_resume_continues_the_epoch(packed, ddp2_fp64, tmp_path, resume_on):
     stopped = sigterm_mid_epoch(packed, tmp_path)
-    launch = ("--nproc-per-node", "2") if resume_on == 2 else ()
-    result = cli("train", *launch, *COMMON, *shards_data(packed), *EXACT, f"out_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
     if resume_on == 2:
+        train(tmp_path, *shards_data(packed), *EXACT, launch=("--nproc-per-node", "2"))
         assert_bitwise_equal(final_params(tmp_path), final_params(ddp2_fp64))
     else:
-        assert f"step {stopped} of {2 * STEPS}" in result.stdout
+        output = run_here("train", *COMMON, *shards_data(packed), *EXACT, f"out_dir={tmp_path}")
+        assert f"step {stopped} of {2 * STEPS}" in output
         assert max_rel_diff(final_params(tmp_path), final_params(ddp2_fp64)) < 1e-10
 
 
@@ -297,12 +297,9 @@ def test_the_local_order_trains_alike_on_one_process_and_ddp2(packed, tmp_path):
 @pytest.mark.distributed
 def test_eval_from_shards_on_3_processes_equals_eval_from_the_folder_on_1(folder, packed, ddp2_fp64):
     ckpt = str(ddp2_fp64 / "checkpoints" / "last.pt")
-    results = []
-    for launch, data in ((["--nproc-per-node", "3", "--oversubscribe"], []), ([], folder_data(folder))):
-        result = cli("eval", "--checkpoint", ckpt, "--json", *launch, *data)
-        assert result.returncode == 0, result.stderr
-        results.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    shards, files = results
+    on_3 = run_here("eval", "--checkpoint", ckpt, "--json", "--nproc-per-node", "3", "--oversubscribe")
+    on_1 = run_here("eval", "--checkpoint", ckpt, "--json", *folder_data(folder))
+    shards, files = (json.loads(output.strip().splitlines()[-1]) for output in (on_3, on_1))
     assert shards["samples"] == files["samples"] == sum(VAL_PER_CLASS)
     assert (shards["top1"], shards["top5"]) == (files["top1"], files["top5"])
     assert shards["loss"] == pytest.approx(files["loss"], rel=1e-12)

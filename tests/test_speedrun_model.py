@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import ROOT, cli, final_params
+from conftest import ROOT, final_params, run_here
 from multicard.models import PatchWhitening, build_model
 
 WIDTHS = [32, 128, 128]
@@ -106,9 +106,8 @@ def test_recipe_trains_and_ddp_fits_the_whitening_of_one_process(tmp_path):
         "model.kwargs.widths=[8,16,16]", "train.resume=never",
     ]  # fmt: skip
     runs = {"one": [], "two": ["--nproc-per-node", "2"]}
-    for name, launch in runs.items():
-        result = cli("train", *launch, *common, f"out_dir={tmp_path / name}")
-        assert result.returncode == 0, result.stderr
+    run_here("train", *common, f"out_dir={tmp_path / 'one'}")
+    run_here("train", *runs["two"], *common, f"out_dir={tmp_path / 'two'}")
     one, two = (final_params(tmp_path / name) for name in runs)
     assert one["0.fitted"] and two["0.fitted"]
     torch.testing.assert_close(two["0.weight"], one["0.weight"], rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import clean_env, cli, final_params, load_checkpoint, max_rel_diff
+from conftest import clean_env, final_params, load_checkpoint, max_rel_diff, run_here
 from multicard.checkpoint.weights import load_weights
 from multicard.errors import UserError
 from multicard.models import build_model
@@ -125,16 +125,13 @@ def test_fsdp_units_follow_each_timm_family():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_timm_family_trains_and_evaluates(tmp_path, family):
     args = FAMILIES[family]
-    result = cli("train", *args, *SHORT, f"out_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
+    run_here("train", *args, *SHORT, f"out_dir={tmp_path}")
     checkpoint = tmp_path / "checkpoints" / "last.pt"
     state = load_checkpoint(checkpoint)
     assert state["step"] == 2
     fresh = build_model(_model_name(args), 10, state["config"]["model"]["kwargs"])
     assert list(state["model"]) == list(fresh.state_dict())  # plain keys: no module./_orig_mod. prefix
-    evaluated = cli("eval", "--checkpoint", str(checkpoint), "--json", "devices=cpu")
-    assert evaluated.returncode == 0, evaluated.stderr
-    scores = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    scores = json.loads(run_here("eval", "--checkpoint", str(checkpoint), "--json", "devices=cpu").splitlines()[-1])
     epochs = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     assert scores["samples"] == 50
     assert (scores["top1"], scores["top5"]) == (epochs[-1]["val_top1"], epochs[-1]["val_top5"])
@@ -146,19 +143,15 @@ def test_timm_vit_ddp2_equals_single_process_in_float64(tmp_path):
     """A BatchNorm-free timm model with dropout off: ddp×2 ends with the single process's parameters."""
     parity = [*VIT, *SHORT, "precision=fp64", "train.max_steps=3", "data.val_size=16"]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    result = cli("train", *parity, f"out_dir={single}")
-    assert result.returncode == 0, result.stderr
-    result = cli("train", "--nproc-per-node", "2", *parity, f"out_dir={ddp}")
-    assert result.returncode == 0, result.stderr
-    assert "world_size=2" in result.stdout
+    run_here("train", *parity, f"out_dir={single}")
+    assert "world_size=2" in run_here("train", "--nproc-per-node", "2", *parity, f"out_dir={ddp}")
     assert max_rel_diff(final_params(ddp), final_params(single)) < 1e-10
 
 
 @needs_timm
 @pytest.mark.distributed
 def test_fsdp2_trains_a_timm_resnet(tmp_path):
-    result = cli("train", "--nproc-per-node", "2", "strategy=fsdp", *FAMILIES["resnet"], *SHORT, f"out_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
+    run_here("train", "--nproc-per-node", "2", "strategy=fsdp", *FAMILIES["resnet"], *SHORT, f"out_dir={tmp_path}")
     params = final_params(tmp_path)  # whole tensors, read from the shards
     torch.manual_seed(0)  # the run's seed: its initial weights
     initial = build_model("timm:resnet18", 10).state_dict()

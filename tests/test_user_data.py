@@ -26,6 +26,7 @@ from conftest import (
     final_params,
     load_checkpoint,
     max_rel_diff,
+    run_here,
     slowed,
     stopped_after_first_checkpoint,
 )
@@ -170,8 +171,9 @@ def hf_saved(photos) -> Path:
 
 
 def train(photos: Path, out: Path, *args: str, launch: tuple[str, ...] = ()) -> Path:
-    result = cli("train", *launch, *COMMON, *args, f"out_dir={out}", env=env(photos))
-    assert result.returncode == 0, result.stderr
+    """out, after `multicard train` there, run by this process (conftest.run_here; the photos
+    fixture has put mcdata on its sys.path, env(photos) puts it on its workers')."""
+    run_here("train", *launch, *COMMON, *args, f"out_dir={out}", env=env(photos))
     return out
 
 
@@ -228,21 +230,17 @@ def test_sigterm_mid_epoch_then_resume_on_one_process_continues_the_epoch(photos
     slow = {**slowed(300, path=photos / "code"), "HF_HOME": str(photos / "hf-home")}
     stopped = stopped_after_first_checkpoint(tmp_path, *args, env=slow)
     assert stopped % STEPS and stopped < 2 * STEPS  # inside an epoch
-    result = cli("train", *COMMON, *function(photos), *EXACT, f"out_dir={tmp_path}", env=env(photos))
-    assert result.returncode == 0, result.stderr
-    assert f"step {stopped} of {2 * STEPS}" in result.stdout
+    output = run_here("train", *COMMON, *function(photos), *EXACT, f"out_dir={tmp_path}")
+    assert f"step {stopped} of {2 * STEPS}" in output
     assert max_rel_diff(final_params(tmp_path), final_params(single_fp64)) < 1e-10
 
 
 @pytest.mark.distributed
 def test_eval_on_1_and_3_processes_gives_identical_sums(photos, single_fp64):
     ckpt = str(single_fp64 / "checkpoints" / "last.pt")
-    results = []
-    for launch in ([], ["--nproc-per-node", "3", "--oversubscribe"]):
-        result = cli("eval", "--checkpoint", ckpt, "--json", *launch, env=env(photos))
-        assert result.returncode == 0, result.stderr
-        results.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    one, three = results
+    on_3 = run_here("eval", "--checkpoint", ckpt, "--json", "--nproc-per-node", "3", "--oversubscribe", env=env(photos))
+    on_1 = run_here("eval", "--checkpoint", ckpt, "--json")
+    one, three = (json.loads(output.strip().splitlines()[-1]) for output in (on_1, on_3))
     assert one["samples"] == three["samples"] == sum(VAL_PER_CLASS)
     assert one["top1"] == three["top1"] and one["top5"] == three["top5"]
     assert one["loss"] == pytest.approx(three["loss"], rel=1e-12)
