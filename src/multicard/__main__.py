@@ -1,9 +1,20 @@
 import gc
+import os
+import sys
 
 from multicard.cli import main
+from multicard.process_group import LAUNCHER_PID
 
 if __name__ == "__main__":
     code = main()
+    if os.environ.get(LAUNCHER_PID) == str(os.getpid()):
+        # This process was the launcher: its workers have ended and its files are closed. It skips
+        # the interpreter's and C++'s teardown, where the rendezvous store's thread can abort the
+        # process ("terminate called without an active exception", pytorch#128821), seen once
+        # after a stop here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     # Interpreter shutdown would walk every object torch's modules made (~0.7 s per process on
     # our CPUs); frozen, they are left to the OS. Exit handlers and thread joins still run.
     gc.freeze()
