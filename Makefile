@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 
 # Two test processes: most tests wait on subprocesses (torch imports, rendezvous, loaders) and leave
 # a core idle; a file's tests stay in one process so its module fixtures are built once.
-# compileall first: the suite starts ~400 Python processes, and where PYTHONDONTWRITEBYTECODE is set
+# compileall first: the suite starts ~500 Python processes, and where PYTHONDONTWRITEBYTECODE is set
 # (as on our CI machines) each would otherwise compile multicard's modules afresh (~0.1 s apiece).
 test: $(VENV)/.installed-dev
 	$(PY) -m ruff check src tests
