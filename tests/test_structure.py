@@ -27,20 +27,23 @@ MAX_TRAINER_LINES = 200
 # except ROOT, which is multicard's own __init__ only.
 ROOT = "multicard"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("utilities", (ROOT, "multicard.errors", "multicard.atomic", "multicard.torch_compat",
+    ("utilities", ("multicard.version", "multicard.errors", "multicard.atomic", "multicard.torch_compat",
                    "multicard.host_memory", "multicard.malloc")),
     ("config", ("multicard.config",)),
-    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping")),
+    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping", "multicard.exits")),
     ("data", ("multicard.data",)),
     ("models", ("multicard.models",)),
     # topology decides which strategy runs on which devices, from the config, the batch split and the data
     ("strategy", ("multicard.strategy", "multicard.topology", "multicard.precision", "multicard.compilation",
                   "multicard.optim", "multicard.syncbn")),
-    ("engine", ("multicard.trainer", "multicard.meters", "multicard.phases", "multicard.step_timer", "multicard.ema")),
+    ("engine", ("multicard.loop", "multicard.trainer", "multicard.meters", "multicard.phases", "multicard.step_timer",
+                "multicard.ema")),
     ("checkpoint", ("multicard.checkpoint",)),
     ("telemetry", ("multicard.telemetry", "multicard.tracking", "multicard.watchdog", "multicard.run_records")),
     ("session", ("multicard.session", "multicard.commands", "multicard.preflight", "multicard.run_lock",
                  "multicard.pack")),
+    # the public API: multicard.Run, for a user's own loop (the package's __init__ exports it)
+    ("api", (ROOT, "multicard.run")),
     # the yardsticks are what bench measures against: they depend on nothing of bench's
     ("yardsticks", ("multicard_yardsticks",)),
     ("tools", ("multicard.bench", "multicard.verify", "multicard.plan", "multicard.report", "multicard.input_split")),
@@ -236,5 +239,5 @@ def test_the_checks_see_a_cycle_an_upward_import_and_a_private_name():
     """The readers above on a made-up graph and map: they are not blind."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert layer_of("multicard.cli") > layer_of("multicard.plan.planner") > layer_of("multicard.trainer")
-    assert layer_of("multicard.nowhere") is None and layer_of("multicard") == 0
+    assert layer_of("multicard.nowhere") is None and layer_of("multicard") == layer_of("multicard.run")
     assert layer_of("multicard.data.sampling") == layer_of("multicard.data")

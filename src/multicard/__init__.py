@@ -1,3 +1,30 @@
-"""multicard: train image classifiers on one device, DataParallel or DDP, from one config."""
+"""multicard: train PyTorch models on one device, DataParallel, DDP or FSDP — from one config
+(`multicard train`), or in your own loop through `multicard.Run`.
 
-__version__ = "0.1.0"
+    import multicard
+    run = multicard.Run(out_dir="runs/mine", global_batch_size=256)
+    model, optimizer = run.setup(model, optimizer)
+    ...
+
+`import multicard` stays light (the command line imports it first): `Run` and the rest of the
+public API are loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from multicard.version import __version__
+
+if TYPE_CHECKING:
+    from multicard.run import Run, Scores
+
+__all__ = ["Run", "Scores", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Run", "Scores"):
+        import multicard.run
+
+        return getattr(multicard.run, name)
+    raise AttributeError(f"module 'multicard' has no attribute {name!r}")

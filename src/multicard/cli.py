@@ -14,20 +14,18 @@ Exit codes: errors.ExitCode (README, Exit codes).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from multicard import __version__
 from multicard.config import load_config, parse_devices
-from multicard.errors import ExitCode, MulticardError, Stopped, UserError
+from multicard.errors import ExitCode, MulticardError, UserError
+from multicard.exits import report_error
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.plan.arguments import add_plan_parser, plan_options
 from multicard.preflight import check_output_folder, check_run, prepare_out_dir
 from multicard.process_group import (
     ProcessEnv,
-    communication_failure,
     detect_env,
     die_with_launcher,
     end_process,
@@ -37,6 +35,7 @@ from multicard.run_lock import RunLock
 from multicard.stopping import BeforeTraining
 from multicard.topology import resolve
 from multicard.verify.checks import CHECKS, FAULTS
+from multicard.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -338,54 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             with BeforeTraining():  # a stop signal in start-up is one line too (a worker's launcher says it)
                 return _train(args)
         return commands_by_name[args.command](args)
-    except Stopped as exc:
-        if detect_env().is_main:  # every rank stopped alike; one line is enough
-            print(f"multicard: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except MulticardError as exc:
-        env = detect_env()
-        where = f" (rank {env.rank})" if env.world_size > 1 else ""
-        if env.is_main or not getattr(exc, "agreed", False):  # an error every rank met: rank 0 says it
-            say_line(f"multicard: error{where}: {exc}")
-        if env.launched and env.world_size > 1:
-            # End now, before interpreter shutdown closes this rank's connections: a peer that
-            # loses them must not exit first, or the launcher would report its error, not ours.
-            end_process(exc.exit_code)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("multicard: interrupted", file=sys.stderr)
-        return ExitCode.SIGINT
-    except RuntimeError as exc:
-        code = communication_failure(exc)
+    except (MulticardError, KeyboardInterrupt, RuntimeError) as exc:
+        code = report_error(exc)
         if code is None:
             raise  # a bug: the traceback is shown (exit 1)
-        return _communication_failed(code)
+        return code
 
 
-def say_line(line: str) -> None:
-    """One line to stderr in one write: ranks share the launcher's stderr, and a line printed in
-    two writes (text, then newline, as print does on an unbuffered stream) can interleave with
-    another rank's."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured, replaced)
-        print(line, file=sys.stderr)
-        return
-    sys.stderr.flush()
-    os.write(fd, f"{line}\n".encode())
-
-
-def _communication_failed(code: ExitCode) -> int:
-    """One line, or none where multicard's launcher reports the rank that caused it."""
-    env = detect_env()
-    if code == ExitCode.STALLED:
-        say_line(
-            f"multicard: error (rank {env.rank}): a collective waited longer than dist_timeout_s for another rank; "
-            f"a rank is stuck or stopped (see the stall report, if any) — fix it or raise dist_timeout_s"
-        )
-    elif env.launcher_pid is None:
-        say_line(
-            f"multicard: error (rank {env.rank}): lost the connection to another rank, which failed or was "
-            f"stopped (its own message, or the launcher's, says which)"
-        )
-    end_process(code)

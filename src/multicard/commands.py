@@ -10,17 +10,16 @@ from typing import Any
 from multicard.atomic import save_atomic
 from multicard.checkpoint import Checkpointer, check_model_fits, read_checkpoint
 from multicard.checkpoint.compat import check_classes
-from multicard.config import Config, config_from_dict, to_yaml
+from multicard.config import Config, config_from_dict, to_dict
 from multicard.data import build_data
 from multicard.errors import UserError
 from multicard.preflight import check_run, prepare_out_dir
 from multicard.process_group import ProcessEnv, teardown
 from multicard.run_lock import RunLock
-from multicard.session import open_session, seeded_model, start_process
-from multicard.telemetry import Reporter, TensorBoardLog, TrainingLog
+from multicard.session import announce_start, open_session, run_logs, seeded_model, start_line, start_process
+from multicard.telemetry import Reporter
 from multicard.topology import Topology, resolve
-from multicard.tracking import TrackerLog
-from multicard.trainer import Callback, EvalResult, evaluate
+from multicard.trainer import EvalResult, evaluate
 
 
 def train(cfg: Config, env: ProcessEnv) -> EvalResult | None:
@@ -46,32 +45,15 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
         checkpointer = Checkpointer(out_dir / "checkpoints", s.strategy, cfg.checkpoint, s.run, reporter.print)
         try:
             resume_from = checkpointer.choose(cfg.train.resume)
-            state = checkpointer.restore(resume_from, trainer) if resume_from is not None else None
-            reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=state["step"] if state is not None else None)
-            reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
-            reporter.print(
-                f"multicard: strategy={s.strategy.name} world_size={s.ctx.world_size} device={s.ctx.device.type} "
-                f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={s.data.loader} "
-                f"global_batch={split.global_batch} "
-                f"(micro-batch {split.micro_batch} × {s.ctx.world_size} process(es) × {split.grad_accum} accum)"
-            )
-            if state is None:
-                for note in s.notes:
-                    reporter.print(note)
-            else:
-                again = f" (after restart {env.restart})" if env.restart else ""
-                reporter.print(
-                    f"resumed from {resume_from}{again}: epoch {trainer.position.epoch}, "
-                    f"step {trainer.position.global_step} of {trainer.schedule.total_steps}"
-                )
+            state = checkpointer.restore(resume_from, trainer.loop) if resume_from is not None else None
+            resumed = (resume_from, state["step"]) if resume_from is not None and state is not None else None
+            what = f"model={cfg.model.name} data={cfg.data.name} loader={s.data.loader}"
+            line = start_line(s.strategy, cfg.precision, split, what)
+            announce_start(reporter, out_dir, to_dict(cfg), line, trainer.loop, resumed, s.notes)
             if trainer.finished:
-                reporter.print(
-                    f"nothing to train: this run is complete ({trainer.position.global_step} steps); "
-                    f"set train.resume=never or another out_dir to train again"
-                )
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None
-            resumed_at = state["step"] if state is not None else None
+            resumed_at = resumed[1] if resumed is not None else None
             result = trainer.fit([checkpointer, *run_logs(cfg, out_dir, reporter, s.ctx.is_main, resumed_at)])
             if result is not None:
                 reporter.print(
@@ -81,17 +63,6 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
             return result
         finally:
             reporter.close()
-
-
-def run_logs(cfg: Config, out_dir: Path, reporter: Reporter, is_main: bool, resumed_at: int | None) -> list[Callback]:
-    """Every logging callback of a training run (console and metrics.jsonl, TensorBoard, trackers),
-    as train attaches them and `multicard bench --logging` times them."""
-    logs: list[Callback] = [TrainingLog(reporter, cfg.data)]
-    if cfg.log.tensorboard:
-        logs.append(TensorBoardLog(out_dir / "tensorboard", is_main, resumed_at))
-    if cfg.log.mlflow or cfg.log.wandb:
-        logs.append(TrackerLog(cfg, out_dir, is_main, resumed_at))
-    return logs
 
 
 def eval_config(state: dict[str, Any], overrides: list[str]) -> Config:

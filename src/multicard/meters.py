@@ -67,6 +67,29 @@ class Sums:
         return 100 * self.correct / self.count if self.count else 0.0
 
 
+def every_peak_memory_mb(strategy: Strategy) -> list[float]:
+    """Peak memory of every device of every rank, in rank order. A collective."""
+    per_rank = strategy.all_gather_object(peak_memory_mb(strategy.devices))
+    return [mb for rank_peaks in per_rank for mb in rank_peaks]
+
+
+def step_split(step_times: list[StepTimes], strategy: Strategy) -> tuple[dict[str, float], dict[str, float]]:
+    """The mean step of `step_times`: its split (data / compute / exposed communication / optimizer
+    ms), and this rank's step, busy (not waiting for the others) and data ms."""
+    seconds = [t.seconds() for t in step_times]
+    mean = {k: sum(s[k] for s in seconds) / len(seconds) for k in seconds[0]} if seconds else {}
+    parts = split(mean) if mean else {}
+    if not strategy.reduces_gradients and strategy.ctx.world_size > 1:
+        parts.pop("comm_exposed_ms", None)  # fsdp's gathers and scatters run inside forward and backward
+    step_ms = 1000 * sum(mean.values()) if mean else 0.0
+    mine = {
+        "step_ms": round(step_ms, 3),
+        "busy_ms": round(step_ms - 1000 * mean.get(COMMUNICATION, 0.0), 3),
+        "data_ms": round(1000 * mean.get(DATA, 0.0), 3),
+    }
+    return parts, mine
+
+
 # The device window: the slots of Sums' fields, then micro-steps whose loss was NaN/inf.
 SUMS = len(fields(Sums))
 LOSS_SUM, CORRECT, COUNT, NONFINITE = range(SUMS + 1)
@@ -137,7 +160,7 @@ class TrainMeter:
         this rank's step-time split, and every rank's step, busy and data times (busy: not waiting
         for the others). A collective when there are several ranks."""
         sums, elapsed = self.since_log, time.perf_counter() - self.log_started
-        parts, mine = self._step_split()
+        parts, mine = step_split(self.step_times, self.strategy)
         record = {
             "epoch": epoch,
             "step": step,
@@ -157,28 +180,12 @@ class TrainMeter:
         self.since_log, self.log_started, self.step_times = Sums(), time.perf_counter(), []
         return record
 
-    def _step_split(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The mean step since the last record: its split, and this rank's step, busy and data ms."""
-        seconds = [t.seconds() for t in self.step_times]
-        mean = {k: sum(s[k] for s in seconds) / len(seconds) for k in seconds[0]} if seconds else {}
-        parts = split(mean) if mean else {}
-        if not self.strategy.reduces_gradients and self.strategy.ctx.world_size > 1:
-            parts.pop("comm_exposed_ms", None)  # fsdp's gathers and scatters run inside forward and backward
-        step_ms = 1000 * sum(mean.values()) if mean else 0.0
-        mine = {
-            "step_ms": round(step_ms, 3),
-            "busy_ms": round(step_ms - 1000 * mean.get(COMMUNICATION, 0.0), 3),
-            "data_ms": round(1000 * mean.get(DATA, 0.0), 3),
-        }
-        return parts, mine
-
     def epoch_record(
         self, epoch: int, step: int, lr: float, val: EvalResult | None, averaged: EvalResult | None = None
     ) -> dict[str, Any]:
         """The record of an epoch end (after `reduce`): its training loss and top-1, lr, img/s,
         duration, every device's peak memory and the validation metrics (of the weights' EMA too,
         `averaged`, when the run keeps one). A collective."""
-        per_rank = self.strategy.all_gather_object(peak_memory_mb(self.strategy.devices))
         sums, train_s = self.epoch, self.trained_until - self.epoch_started
         record: dict[str, Any] = {
             "epoch": epoch,
@@ -188,7 +195,7 @@ class TrainMeter:
             "lr": lr,
             "img_per_s": (sums.count - self.samples_before) / train_s if train_s > 0 else 0.0,
             "epoch_s": time.perf_counter() - self.epoch_started,
-            "peak_mem_mb": [mb for rank_peaks in per_rank for mb in rank_peaks],
+            "peak_mem_mb": every_peak_memory_mb(self.strategy),
         }
         if val is not None:
             record.update(val_loss=val.loss, val_top1=val.top1, val_top5=val.top5, val_samples=val.samples)

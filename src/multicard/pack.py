@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from multicard import __version__
 from multicard.atomic import write_text_atomic
 from multicard.config import DataConfig
 from multicard.data.encoded import EncodedImage
@@ -42,6 +41,7 @@ from multicard.data.shards import BLOCK, COLUMNS, FORMAT, HEADER, INDEX, VERSION
 from multicard.data.sources import Files, Items, Source, Splits
 from multicard.data.user import read_item
 from multicard.errors import UserError
+from multicard.version import __version__
 
 PARTIAL = ".partial"  # chunks and the plan of an unfinished pack
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from multicard.checkpoint import RunFacts
 from multicard.checkpoint.compat import run_length
@@ -27,13 +29,16 @@ from multicard.data.mixing import StepMix, mixing
 from multicard.data.sampling import BatchSplit
 from multicard.ema import WeightAverage
 from multicard.errors import MulticardError, Stopped
+from multicard.loop import Callback, Loop
 from multicard.models import build_model, check_input_size
 from multicard.optim import OptimizerRecipe, build_scheduler, optimizer_recipe
 from multicard.precision import Precision
-from multicard.process_group import ProcessContext, ProcessEnv, setup, teardown
+from multicard.process_group import ProcessContext, ProcessEnv, detect_env, setup, teardown
 from multicard.stopping import GracefulStop
 from multicard.strategy import ModelSetup, Strategy, make_strategy
+from multicard.telemetry import Reporter, TensorBoardLog, TrainingLog
 from multicard.topology import Topology, resolve
+from multicard.tracking import TrackerLog
 from multicard.trainer import Schedule, Trainer
 from multicard.watchdog import Watchdog
 
@@ -96,7 +101,7 @@ def assemble_trainer(
     return Trainer(strategy, model, optimizer, scheduler, train, val, schedule, stop, mix, ema), recipe
 
 
-def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: ExitStack) -> Watchdog | None:
+def watch_for_stalls(cfg: Config, ctx: ProcessContext, loop: Loop, stack: ExitStack) -> Watchdog | None:
     """Heartbeats and stall reports (debug.stall_s; 0 turns them off), for as long as the session lasts."""
     stall_s = stall_seconds(cfg.debug)
     if stall_s == 0 or ctx.store is None:
@@ -105,7 +110,7 @@ def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: 
         ctx.store,
         ctx.rank,
         ctx.world_size,
-        lambda: (trainer.clock.ticks, trainer.position.global_step, trainer.phase),
+        lambda: (loop.clock.ticks, loop.position.global_step, loop.phase),
         stall_folder(cfg),
         stall_s,
         abort=cfg.debug.on_stall == "abort",
@@ -113,6 +118,54 @@ def watch_for_stalls(cfg: Config, ctx: ProcessContext, trainer: Trainer, stack: 
     )
     stack.callback(watchdog.start().close)
     return watchdog
+
+
+def start_line(strategy: Strategy, precision: str, split: BatchSplit, what: str) -> str:
+    """The line every training run starts with: how it runs, what it trains, how the batch splits."""
+    ctx = strategy.ctx
+    return (
+        f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
+        f"precision={precision} {what} global_batch={split.global_batch} "
+        f"(micro-batch {split.micro_batch} × {ctx.world_size} process(es) × {split.grad_accum} accum)"
+    )
+
+
+def announce_start(
+    reporter: Reporter, out_dir: Path, config: dict[str, Any], line: str, loop: Loop,
+    resumed: tuple[Path, int] | None, notes: list[str],
+) -> None:  # fmt: skip
+    """What every training run writes and says as it starts: metrics.jsonl (continued after the
+    checkpoint it resumed, `resumed` = (path, step)), config.yaml, its start line, where it
+    resumed (or its notes), and that nothing is left to train when it is complete."""
+    reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=resumed[1] if resumed is not None else None)
+    reporter.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
+    reporter.print(line)
+    if resumed is None:
+        for note in notes:
+            reporter.print(note)
+    else:
+        restart = detect_env().restart
+        again = f" (after restart {restart})" if restart else ""
+        reporter.print(
+            f"resumed from {resumed[0]}{again}: epoch {loop.position.epoch}, "
+            f"step {loop.position.global_step} of {loop.schedule.total_steps}"
+        )
+    if loop.finished:
+        reporter.print(
+            f"nothing to train: this run is complete ({loop.position.global_step} steps); "
+            f"set train.resume=never or another out_dir to train again"
+        )
+
+
+def run_logs(cfg: Config, out_dir: Path, reporter: Reporter, is_main: bool, resumed_at: int | None) -> list[Callback]:
+    """Every logging callback of a training run (console and metrics.jsonl, TensorBoard, trackers),
+    as train attaches them and `multicard bench --logging` times them."""
+    logs: list[Callback] = [TrainingLog(reporter, cfg.data)]
+    if cfg.log.tensorboard:
+        logs.append(TensorBoardLog(out_dir / "tensorboard", is_main, resumed_at))
+    if cfg.log.mlflow or cfg.log.wandb:
+        logs.append(TrackerLog(cfg, out_dir, is_main, resumed_at))
+    return logs
 
 
 def stall_folder(cfg: Config) -> Path:
@@ -155,7 +208,7 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
             schedule = training_schedule(cfg, steps_per_epoch, run_length(cfg.train, steps_per_epoch))
             mix = mixing(cfg.mix, batch_split, ctx.rank, cfg.seed, data.num_classes)
             trainer, _ = assemble_trainer(cfg, strategy, model, data.train, data.val, schedule, stop, mix)
-            watchdog = watch_for_stalls(cfg, ctx, trainer, stack)
+            watchdog = watch_for_stalls(cfg, ctx, trainer.loop, stack)
             run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size)
             yield Session(cfg, ctx, strategy, batch_split, data, trainer, run, notes, watchdog)
     except MulticardError as exc:

@@ -7,8 +7,8 @@ import statistics
 
 import torch
 
+from multicard.loop import Callback, Loop, StepEnd
 from multicard.phases import StepClock, split
-from multicard.trainer import Callback, StepEnd, Trainer
 
 
 class StepTimer(Callback):
@@ -21,10 +21,10 @@ class StepTimer(Callback):
         """Seconds of each timed step."""
         return self.clock.times
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         self.clock.restart()
 
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
         timed = self.clock.seen >= self.clock.warmup
         self.clock()
         if timed:

@@ -28,7 +28,8 @@ from rich.progress import (
 from multicard.atomic import probe_write, write_text_atomic
 from multicard.config import DataConfig
 from multicard.errors import UserError
-from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
+from multicard.loop import Callback, Loop, StepEnd
+from multicard.meters import EvalResult
 
 REFRESH_S = 0.5  # progress bar redraw interval
 
@@ -134,6 +135,18 @@ class Reporter:
         self._metrics_path = Path()
 
 
+# Keys of step and epoch records that are not a run's logged values (timings, rates, positions).
+RECORD_KEYS = frozenset({
+    "epoch", "step", "lr", "img_per_s", "data_ms", "compute_ms", "comm_exposed_ms", "optimizer_ms", "step_ms",
+    "ranks", "fp16_skipped", "epoch_s", "peak_mem_mb",
+})  # fmt: skip
+
+
+def logged(record: dict[str, Any]) -> dict[str, float]:
+    """The values a record reports about training (loss, top-1, a user's run.log values)."""
+    return {k: v for k, v in record.items() if k not in RECORD_KEYS and isinstance(v, (int, float))}
+
+
 def duration(seconds: float) -> str:
     """'2 h 05 min', '7 min 30 s', '45 s'."""
     s = round(seconds)
@@ -227,11 +240,11 @@ class TrainingLog(Callback):
         self.stragglers = Stragglers()
         self.data_bound = DataBound(data)
 
-    def on_fit_start(self, trainer: Trainer) -> None:
-        self.reporter.start_progress(trainer.schedule.total_steps, done=trainer.position.global_step)
+    def on_fit_start(self, loop: Loop) -> None:
+        self.reporter.start_progress(loop.schedule.total_steps, done=loop.position.global_step)
         self._first, self._estimated = None, False
 
-    def _estimate(self, trainer: Trainer, step: int) -> None:
+    def _estimate(self, loop: Loop, step: int) -> None:
         now = time.monotonic()
         if self._first is None:
             self._first = (step, now)
@@ -240,17 +253,17 @@ class TrainingLog(Callback):
         if elapsed < self.ESTIMATE_AFTER_S and steps < self.ESTIMATE_AFTER_STEPS:
             return
         self._estimated = True
-        left = trainer.schedule.total_steps - step
+        left = loop.schedule.total_steps - step
         per_step = elapsed / steps
         self.reporter.print(
             f"estimated time: {duration(left * per_step)} for the {left} steps left ({per_step:.2f} s per step "
             f"so far, evaluation not counted); Ctrl-C stops with a checkpoint, the same command resumes"
         )
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, loop: Loop, record: dict[str, Any]) -> None:
         self.reporter.record("step", **record)
-        self.status = f"loss {record['loss']:.4f}"
-        if record["step"] > trainer.schedule.log_every:  # the first window holds the warm-up
+        self.status = "  ".join(f"{name} {value:.4g}" for name, value in logged(record).items())
+        if record["step"] > loop.schedule.log_every:  # the first window holds the warm-up
             for found in self.stragglers.update(record):
                 self.reporter.record("straggler", **found)
                 self.reporter.print(
@@ -266,13 +279,18 @@ class TrainingLog(Callback):
             skipped = record["fp16_skipped"]
             self.reporter.print(f"step {record['step']}: fp16 scaler skipped {skipped} NaN/inf micro-step(s)")
 
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
         self.reporter.advance(step.epoch, self.status)
         if not self._estimated:
-            self._estimate(trainer, step.global_step)
+            self._estimate(loop, step.global_step)
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
+    def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
         self.reporter.record("epoch", **record)
+        if "train_loss" not in record:  # a user's loop (multicard.Run): the values it logged
+            values = " ".join(f"{name} {value:.4g}" for name, value in logged(record).items())
+            self.reporter.print(f"epoch {record['epoch']}: {values} | {record['img_per_s']:.0f} img/s, "
+                                f"{record['epoch_s']:.1f} s")  # fmt: skip
+            return
         line = f"epoch {record['epoch']}: train loss {record['train_loss']:.4f} top-1 {record['train_top1']:.2f}%"
         if val is not None:
             line += f" | val loss {val.loss:.4f} top-1 {val.top1:.2f}% top-5 {val.top5:.2f}%"
@@ -280,7 +298,7 @@ class TrainingLog(Callback):
             line += f" | EMA top-1 {record['ema_val_top1']:.2f}%"
         self.reporter.print(f"{line} | {record['img_per_s']:.0f} img/s, {record['epoch_s']:.1f} s")
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         self.reporter.stop_progress()
 
 
@@ -306,10 +324,10 @@ class TensorBoardLog(Callback):
                 if value is not None:
                     self.writer.add_scalar(tag, value, step)
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, loop: Loop, record: dict[str, Any]) -> None:
         step = record["step"]
         self._scalars(step, {
-            "train/loss": record["loss"], "train/top1": record["top1"], "train/lr": record["lr"],
+            **{f"train/{name}": value for name, value in logged(record).items()}, "train/lr": record["lr"],
             "train/img_per_s": record["img_per_s"], "time/data_ms": record.get("data_ms"),
             "time/compute_ms": record.get("compute_ms"), "time/comm_exposed_ms": record.get("comm_exposed_ms"),
             "time/optimizer_ms": record.get("optimizer_ms"), "time/step_ms": record.get("step_ms"),
@@ -317,11 +335,14 @@ class TensorBoardLog(Callback):
         for rank, r in enumerate(record.get("ranks", [])):
             self._scalars(step, {f"rank_step_ms/rank_{rank}": r["step_ms"]})
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
-        values: dict[str, float | None] = {
-            "train/epoch_loss": record["train_loss"],
-            "train/epoch_top1": record["train_top1"],
-        }
+    def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
+        if "train_loss" in record:
+            values: dict[str, float | None] = {
+                "train/epoch_loss": record["train_loss"],
+                "train/epoch_top1": record["train_top1"],
+            }
+        else:  # a user's loop (multicard.Run): the epoch's mean of each value it logged
+            values = {f"epoch/{name}": value for name, value in logged(record).items()}
         if val is not None:
             values.update({"val/loss": val.loss, "val/top1": val.top1, "val/top5": val.top5})
         averaged = {f"ema_val/{k}": record.get(f"ema_val_{k}") for k in ("loss", "top1", "top5")}  # ema.decay
@@ -331,7 +352,7 @@ class TensorBoardLog(Callback):
         if self.writer is not None:
             self.writer.flush()
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         if self.writer is not None:
             self.writer.close()
 

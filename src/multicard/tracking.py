@@ -27,9 +27,10 @@ from urllib.parse import urlparse
 from multicard.atomic import write_text_atomic
 from multicard.config import Config, LogConfig, to_dict
 from multicard.errors import Stopped, UserError
+from multicard.loop import Loop
+from multicard.meters import EvalResult
 from multicard.run_records import run_figure
 from multicard.telemetry import TensorBoardLog
-from multicard.trainer import EvalResult, Trainer
 
 TRACKERS_FILE = "trackers.json"  # in out_dir: the runs a resumed run continues
 # A tracker server that went away costs a few seconds once, not minutes of retries (the user's
@@ -294,38 +295,38 @@ class TrackerLog(TensorBoardLog):
             self.writer.send()
             self.trackers.mark(kind, step)
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        self._send("step", record["step"], lambda: super(TrackerLog, self).on_log(trainer, record))
+    def on_log(self, loop: Loop, record: dict[str, Any]) -> None:
+        self._send("step", record["step"], lambda: super(TrackerLog, self).on_log(loop, record))
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
+    def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
         if val is not None:
             self.last_val = val
-        self._send("epoch", record["step"], lambda: super(TrackerLog, self).on_epoch_end(trainer, record, val, best))
+        self._send("epoch", record["step"], lambda: super(TrackerLog, self).on_epoch_end(loop, record, val, best))
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         if self.trackers is None:
             return
-        ending = sys.exc_info()[1]  # fit's finally: the exception that ends it, if any
-        if ending is None or (isinstance(ending, Stopped) and trainer.finished):  # a stop on the last step: done
+        ending = loop.ending  # the exception that ended training, if any
+        if ending is None or (isinstance(ending, Stopped) and loop.finished):  # a stop on the last step: done
             outcome = "done"
-            if trainer.finished:
-                self._summary(trainer)
+            if loop.finished:
+                self._summary(loop)
         else:
             outcome = "stopped" if isinstance(ending, Stopped) else "failed"
         if outcome != "failed":
             self._report_figure()
         self.trackers.each("end its run", lambda run: run.finish(outcome))
 
-    def _summary(self, trainer: Trainer) -> None:
+    def _summary(self, loop: Loop) -> None:
         assert self.trackers is not None
         values: dict[str, float] = {}
         if self.last_val is not None:
             v = self.last_val
             values.update({"final/val_loss": v.loss, "final/val_top1": v.top1, "final/val_top5": v.top5})
-        if trainer.position.best_top1 >= 0:  # kept in checkpoints: the best of the whole run
-            values["best/val_top1"] = trainer.position.best_top1
+        if loop.position.best_top1 >= 0:  # kept in checkpoints: the best of the whole run
+            values["best/val_top1"] = loop.position.best_top1
         if values:
-            step = trainer.position.global_step
+            step = loop.position.global_step
             self.trackers.each("log the final metrics", lambda run: run.summary(step, values))
 
     def _report_figure(self) -> None:

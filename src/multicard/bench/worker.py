@@ -18,13 +18,12 @@ import torch
 
 from multicard.bench.cells import COMM_STEPS
 from multicard.bench.probes import CommTimer, gradient_bytes, held_bytes, optimizer_tensors
-from multicard.commands import run_logs
 from multicard.config import Config, config_from_dict, to_yaml
 from multicard.errors import MulticardError
 from multicard.phases import RAW_REPEATS, raw_allreduce_ms, summary_ms
 from multicard.preflight import check_extras
 from multicard.process_group import detect_env, die_with_launcher, end_process
-from multicard.session import Session, open_session
+from multicard.session import Session, open_session, run_logs
 from multicard.step_timer import StepTimer
 from multicard.telemetry import Reporter
 from multicard.trainer import Callback, StepEnd, Trainer, peak_memory_mb

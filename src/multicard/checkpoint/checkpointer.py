@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from multicard import __version__
 from multicard.atomic import remove_temporaries
 from multicard.checkpoint.compat import (
     FORMAT_VERSION,
@@ -30,8 +29,10 @@ from multicard.checkpoint.sharded import COMPLETE, Sharded, incomplete_dirs, par
 from multicard.checkpoint.single_file import SingleFile
 from multicard.config import CheckpointConfig
 from multicard.errors import Stopped, UserError
+from multicard.loop import Callback, Loop, StepEnd
+from multicard.meters import EvalResult
 from multicard.phases import CHECKPOINT, IDLE
-from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
+from multicard.version import __version__
 
 if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
     from multicard.strategy import Strategy
@@ -208,33 +209,34 @@ class Checkpointer(Callback):
                 if pointer.exists() or pointer.is_symlink():
                     pointer.unlink()
 
-    def restore(self, path: Path, trainer: Trainer) -> dict[str, Any]:
+    def restore(self, path: Path, loop: Loop) -> dict[str, Any]:
         """Check that this run can continue `path`, then load it into the trainer; its contents."""
         fmt = format_of(path)
         meta = fmt.read_meta(path)
-        check_resumable(meta, path, self.run, trainer.bare)
+        check_resumable(meta, path, self.run, loop.bare)
         stretched = schedule_stretch(meta, self.run.config)
         if stretched is not None:
             self.say(stretched)
-        state = fmt.read(path, trainer.state_dict() if fmt.needs_template else None)
-        trainer.load_state_dict({**{k: state[k] for k in TOP_LEVEL if k in state}, **state["resume"]})
-        self.last_saved = (trainer.position.global_step, path)
+        state = fmt.read(path, loop.state_dict() if fmt.needs_template else None)
+        loop.load_state_dict({**{k: state[k] for k in TOP_LEVEL if k in state}, **state["resume"]})
+        self.last_saved = (loop.position.global_step, path)
         return state
 
     # ------------------------------------------------------------ saving
 
-    def save(self, trainer: Trainer, val: EvalResult | None = None, best: bool = False) -> Path:
+    def save(self, loop: Loop, val: EvalResult | None = None, best: bool = False) -> Path:
         """Write the checkpoint of the current step (every rank calls it), then point last (and
         best) at it and drop old ones; all ranks return once it is complete, or, with
         checkpoint.async_save, once its writing has begun (it completes before the next save)."""
-        trainer.set_phase(CHECKPOINT)
+        loop.set_phase(CHECKPOINT)
         self.finish_writing()
-        pos = trainer.position
-        state = trainer.state_dict(whole=self.writer.whole_state)
+        pos = loop.position
+        state = loop.state_dict(whole=self.writer.whole_state)
         contents = {
             "multicard_version": __version__,
             "format": FORMAT_VERSION,
             "config": self.run.config,
+            **({"script": self.run.script} if self.run.script else {}),
             "classes": self.run.classes,
             "step": pos.global_step,
             "epoch": pos.epoch - (1 if pos.step_in_epoch == 0 else 0),
@@ -251,7 +253,7 @@ class Checkpointer(Callback):
         if self.background is None:
             self.finish_writing()
         self.last_saved = (pos.global_step, path)
-        trainer.set_phase(IDLE)
+        loop.set_phase(IDLE)
         return path
 
     def finish_writing(self) -> None:
@@ -278,19 +280,19 @@ class Checkpointer(Callback):
 
     # ------------------------------------------------------------ cadence (Trainer callbacks)
 
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
         every = self.options.every_steps
         if every and step.global_step % every == 0 and not step.last_in_epoch and not step.stop_signal:
-            self.save(trainer)  # an epoch's last step is saved at its end, a stop's by on_stop
+            self.save(loop)  # an epoch's last step is saved at its end, a stop's by on_stop
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
-        self.save(trainer, val, best)
+    def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
+        self.save(loop, val, best)
 
-    def on_stop(self, trainer: Trainer, stop: Stopped) -> None:
-        if self.last_saved is None or self.last_saved[0] != trainer.position.global_step:
-            self.save(trainer)
+    def on_stop(self, loop: Loop, stop: Stopped) -> None:
+        if self.last_saved is None or self.last_saved[0] != loop.position.global_step:
+            self.save(loop)
         self.finish_writing()
         stop.checkpoint = str(self.last_saved[1]) if self.last_saved else None
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, loop: Loop) -> None:
         self.finish_writing()

@@ -35,6 +35,7 @@ class RunFacts:
     classes: list[str]
     steps_per_epoch: int
     world_size: int
+    script: str | None = None  # a user's script that trained with multicard.Run (None: multicard train)
 
 
 def run_length(train: TrainConfig, steps_per_epoch: int) -> int:
@@ -126,7 +127,7 @@ def check_settings(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> 
 def check_weights(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
     """model.weights starts a run; continuing a checkpoint that did not start from the same
     weights would ignore them without a word."""
-    old, new = meta["config"]["model"].get("weights"), config["model"].get("weights")
+    old, new = meta["config"].get("model", {}).get("weights"), config.get("model", {}).get("weights")
     if new and new != old:
         keep = "drop model.weights" if not old else f"set model.weights={old}"
         raise UserError(

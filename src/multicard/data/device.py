@@ -13,7 +13,7 @@ import torch
 
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.loaders import SampledTrainLoader
-from multicard.data.sampling import ShardedBatchSampler, eval_shard
+from multicard.data.sampling import ShardedBatchSampler, eval_batches
 from multicard.data.sources import InMemory
 from multicard.data.transfer import to_device
 
@@ -55,14 +55,13 @@ class DeviceEvalLoader:
 
     def __init__(self, data: TensorImages, batch_size: int, rank: int, world_size: int, finish: DeviceTransform):
         self.data = data
-        self.batch_size = batch_size
-        self.shard = eval_shard(len(data), rank, world_size)
+        self.batches = eval_batches(len(data), rank, world_size, batch_size)
         self.finish = finish
 
     def close(self) -> None:
         pass
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for start in range(self.shard.start, self.shard.stop, self.batch_size):
-            indices = torch.arange(start, min(start + self.batch_size, self.shard.stop))
+        for batch in self.batches:
+            indices = torch.arange(batch.start, batch.stop)
             yield self.finish(*self.data.gather(indices), indices, 0)

@@ -108,3 +108,22 @@ def eval_shard(num_samples: int, rank: int, world_size: int) -> range:
     base, extra = divmod(num_samples, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
+
+
+def eval_batches(num_samples: int, rank: int, world_size: int, batch_size: int) -> list[range]:
+    """This rank's share of the evaluation set in batches of at most `batch_size`, as many on every
+    rank (the largest share's count): under fsdp every forward gathers parameters with all ranks,
+    so a rank with one batch more would wait for the others forever. Batches are contiguous and
+    as equal as they can be; only a rank whose share is smaller than that count (a dataset with
+    fewer samples than ranks) gets fewer."""
+    shard = eval_shard(num_samples, rank, world_size)
+    largest = -(-num_samples // world_size)  # ceil
+    count = -(-largest // batch_size)
+    base, extra = divmod(len(shard), max(1, count))
+    batches, start = [], shard.start
+    for i in range(count):
+        size = base + (1 if i < extra else 0)
+        if size:
+            batches.append(range(start, start + size))
+        start += size
+    return batches

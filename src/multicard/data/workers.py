@@ -23,7 +23,7 @@ from multicard.data.augment import sample_random
 from multicard.data.decode import read_image
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.loaders import SampledTrainLoader
-from multicard.data.sampling import ShardedBatchSampler, eval_shard
+from multicard.data.sampling import ShardedBatchSampler, eval_batches
 from multicard.data.shards import prefetch_items
 from multicard.data.sources import Files, Items, Source
 from multicard.data.transforms import Picture
@@ -65,7 +65,7 @@ class SourceImages(Dataset):
         return [self[key] for key in keys]
 
 
-class _Keys:
+class Keys:
     """A batch sampler for DataLoader that can be held `idle` (it then yields no batch)."""
 
     idle = False
@@ -77,7 +77,7 @@ class _Keys:
         return iter(()) if self.idle else self.batches()
 
 
-class _EpochKeys(_Keys):
+class EpochKeys(Keys):
     """Each index travels with its epoch, which keys its randomness."""
 
     def __init__(self, sampler: ShardedBatchSampler) -> None:
@@ -91,9 +91,9 @@ class _EpochKeys(_Keys):
             yield [(self.sampler.epoch, i) for i in indices.tolist()]
 
 
-class _EvalKeys(_Keys):
-    def __init__(self, shard: range, batch_size: int) -> None:
-        self.ranges = [range(s, min(s + batch_size, shard.stop)) for s in range(shard.start, shard.stop, batch_size)]
+class EvalKeys(Keys):
+    def __init__(self, ranges: list[range]) -> None:
+        self.ranges = ranges
 
     def __len__(self) -> int:
         return len(self.ranges)
@@ -125,8 +125,8 @@ def _one_line_worker_error(exc: UserError) -> UserError:
     return UserError(last.split("UserError: ", 1)[-1])
 
 
-def _data_loader(
-    dataset: SourceImages, keys: _Keys, num_workers: int, device: torch.device, seed: int, rank: int, collate=None
+def data_loader(
+    dataset: Dataset, keys: Keys, num_workers: int, device: torch.device, seed: int, rank: int, collate=None
 ) -> DataLoader:
     loader = DataLoader(
         dataset,
@@ -142,7 +142,7 @@ def _data_loader(
     return loader
 
 
-def _start_workers(loader: DataLoader, keys: _Keys) -> None:
+def _start_workers(loader: DataLoader, keys: Keys) -> None:
     """Start the loader processes now, while the run is being built, not at the first batch.
 
     A process forked while another thread of its parent holds one of the interpreter's locks
@@ -191,7 +191,7 @@ class WorkerTrainLoader(SampledTrainLoader):
         super().__init__(sampler)
         self.finish = finish
         dataset = SourceImages(source, transform)
-        self.loader = _data_loader(dataset, _EpochKeys(sampler), num_workers, finish.device, seed, rank, collate)
+        self.loader = data_loader(dataset, EpochKeys(sampler), num_workers, finish.device, seed, rank, collate)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, self.sampler.epoch)
@@ -216,9 +216,9 @@ class WorkerEvalLoader:
         collate: Callable | None = None,
     ) -> None:
         self.finish = finish
-        keys = _EvalKeys(eval_shard(len(source), rank, world_size), batch_size)
+        keys = EvalKeys(eval_batches(len(source), rank, world_size, batch_size))
         dataset = SourceImages(source, transform)
-        self.loader = _data_loader(dataset, keys, num_workers, finish.device, seed, rank, collate)
+        self.loader = data_loader(dataset, keys, num_workers, finish.device, seed, rank, collate)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return _batches(self.loader, self.finish, 0)

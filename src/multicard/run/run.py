@@ -1,0 +1,188 @@
+"""`multicard.Run`: every guarantee of `multicard train` for a user's own loop.
+
+    run = multicard.Run(out_dir="runs/mine", global_batch_size=256, precision="bf16")
+    model, optimizer = run.setup(model, optimizer)      # device, strategy wrap, AMP, compile
+    train = run.loader(train_set, transform=augment)    # any map-style dataset
+    for epoch in run.epochs(10):                        # resumes where the last run stopped
+        for batch in train:                             # this rank's share of the global batch
+            loss = my_loss(model, batch)
+            run.backward(loss)                          # accumulation (no_sync), GradScaler
+            run.step(optimizer, scheduler)              # clip, step, zero_grad; checkpoints
+            run.log(loss=loss)                          # rank 0: console, metrics.jsonl, trackers
+        scores = run.evaluate(model, val_set, metric_fn)   # every sample once, any world size
+
+The run is assembled from the same parts as a command-line run (session.py): process group and
+device, strategy, sampler, loop step, checkpointer, graceful stop, stall watchdog, console and
+trackers. Reference: docs/library.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from multicard.data.keyed import Transform, check_map_style
+from multicard.errors import UserError
+from multicard.loop import Position
+from multicard.phases import EVALUATION, IDLE
+from multicard.run.evaluation import MetricFn, Scores, evaluate_sums
+from multicard.run.loading import Loader, eval_loader
+from multicard.run.preparation import prepare_model
+from multicard.run.runtime import Runtime
+from multicard.run.settings import run_config
+from multicard.run.training import Training
+
+
+class Run:
+    """One training run of a user's loop: see the module docstring and docs/library.md."""
+
+    def __init__(
+        self, out_dir: str = "runs/default", *, global_batch_size: int, seed: int = 0, grad_accum: int = 1,
+        strategy: str = "auto", precision: str = "fp32", devices: Any = "auto", compile: bool = False,
+        clip_grad_norm: float = 0.0, checkpoint_every: int = 0, keep_last: int = 3, checkpoint_format: str = "auto",
+        resume: str = "auto", log_every: int = 50, max_steps: int = 0, best: str | None = None,
+        best_mode: str = "max", options: Mapping[str, Any] | list[str] = (),
+    ) -> None:  # fmt: skip
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "options", "best", "best_mode")}
+        self.runtime = Runtime(run_config(arguments, options), script=sys.argv[0] or "<stdin>")
+        self.training = Training(self.runtime, best, best_mode)
+        self.state = self.training.state  # the user's own resumable values (run.state["best"] = ...)
+        self._closed = False
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------ who and where
+
+    rank = property(lambda self: self.runtime.ctx.rank, doc="this process's rank, 0..world_size-1")
+    local_rank = property(lambda self: self.runtime.ctx.local_rank)
+    world_size = property(lambda self: self.runtime.ctx.world_size)
+    device = property(lambda self: self.runtime.ctx.device, doc="where the model and batches are")
+    is_main = property(lambda self: self.runtime.ctx.is_main, doc="rank 0, which writes the run's files")
+    out_dir = property(lambda self: self.runtime.out_dir)
+    checkpoint_dir = property(lambda self: self.runtime.out_dir / "checkpoints")
+    strategy = property(lambda self: self.runtime.strategy.name, doc="single | dp | ddp | fsdp, as resolved")
+
+    @property
+    def position(self) -> Position:
+        """epoch, step_in_epoch and global_step (optimizer steps done)."""
+        return self.training.loop.position
+
+    # ------------------------------------------------------------ setting up
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Place, convert, compile and wrap `model` with the run's strategy; return it and the
+        optimizer that steps it (the same object, except under ZeRO-1). Build the scheduler after."""
+        if self.training.loop.model is not None:
+            raise UserError("run.setup was called twice; one Run trains one model (call it once)")
+        wrapped, stepping = prepare_model(self.runtime.strategy, model, optimizer)
+        self.training.attach(wrapped, stepping)
+        return wrapped, stepping
+
+    def loader(
+        self, dataset: Any, transform: Transform | None = None, collate_fn: Callable | None = None, *,
+        num_workers: int = 0,
+    ) -> Loader:  # fmt: skip
+        """This rank's micro-batches of `dataset` (map-style) for each epoch of run.epochs, on the
+        device. `transform(sample, generator)` draws its randomness from `generator`, keyed by
+        (seed, epoch, sample index). The first loader's length sets the steps per epoch."""
+        if self.training.begun:
+            raise UserError("run.loader(...) after run.epochs(...) started; create the loaders before the loop")
+        check_map_style(dataset, "run.loader")
+        loader = Loader(
+            dataset, transform, collate_fn, self.runtime.loader_processes(num_workers), self.runtime.split,
+            self.runtime.ctx, self.runtime.cfg.seed, self.training,
+        )  # fmt: skip
+        self.runtime.check_same_on_every_rank(dataset, "run.loader")
+        self.training.loaders.append(loader)
+        return loader
+
+    # ------------------------------------------------------------ training
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """The epochs left of `n`: the first call resumes from out_dir's newest checkpoint (at any
+        world size), and each epoch ends with a checkpoint; a stop ends with one too."""
+        return self.training.epochs(n)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradients of this micro-batch's mean loss, as a share of the global batch's."""
+        self.training.backward(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> bool:
+        """After the last micro-step of a global batch: clip, step, zero the gradients, step the
+        scheduler, count the step (checkpoints, logs, an agreed stop). Earlier: nothing; False."""
+        return self.training.step(optimizer, scheduler)
+
+    def log(self, **values: Any) -> None:
+        """Numbers (or one-element tensors) for the step and epoch records; call it on every rank."""
+        self.training.logbook.add(values)
+
+    def save(self) -> Path:
+        """A checkpoint of this step now (every rank calls it)."""
+        return self.training.save()
+
+    # ------------------------------------------------------------ evaluation and collectives
+
+    def evaluate(
+        self, model: nn.Module, dataset: Any, metric_fn: MetricFn, *, batch_size: int | None = None,
+        transform: Transform | None = None, collate_fn: Callable | None = None, num_workers: int = 0,
+    ) -> Scores:  # fmt: skip
+        """`metric_fn(model, batch)` → a dict of sums (or per-sample tensors), summed over every
+        sample of `dataset` exactly once whatever the world size; with "samples"."""
+        rt = self.runtime
+        check_map_style(dataset, "run.evaluate")
+        size = batch_size or rt.split.micro_batch
+        loader = eval_loader(dataset, size, transform, collate_fn, rt.loader_processes(num_workers), rt.ctx,
+                             rt.cfg.seed)  # fmt: skip
+        bare = rt.strategy.unwrap(model)  # DDP's forward would wait for the other ranks' forwards
+        rt.strategy.agree_buffers(bare)  # rank 0's BatchNorm statistics, as checkpoints hold them
+        batches = zip(loader, (len(keys) for keys in loader.batch_sampler), strict=True)
+        clock = self.training.loop.clock
+        clock.set_phase(EVALUATION)
+        try:
+            return evaluate_sums(bare, batches, metric_fn, rt.strategy, clock.tick)
+        finally:
+            clock.set_phase(IDLE)
+            loader_workers_end(loader)
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over every rank, in place (a no-op in one process)."""
+        return self.runtime.strategy.all_reduce_sum(tensor)
+
+    def barrier(self) -> None:
+        self.runtime.ctx.barrier()
+
+    def print(self, *values: Any) -> None:
+        """Print on rank 0 only."""
+        self.runtime.reporter.print(" ".join(str(v) for v in values))
+
+    # ------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """Finish writing, release out_dir, leave the process group (also at exit, or `with Run(...)`)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        with ExitStack() as stack:
+            stack.callback(self.runtime.close)
+            self.training.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def loader_workers_end(loader: Any) -> None:
+    from multicard.data.workers import shutdown_workers
+
+    shutdown_workers(loader)
