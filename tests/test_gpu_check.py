@@ -19,6 +19,7 @@ from train_run import steady_throughput  # noqa: E402
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 NO_CUDA = 4  # gpu_check.sh's exit codes (its header; README "GPU check")
 MISSING = 3
+NOTHING_CHECKED = 5
 
 
 def test_peak_table_picks_the_specific_model_first():
@@ -86,7 +87,7 @@ def test_summary_reports_passed_failed_skipped_and_none_values(tmp_path):
 
 
 def test_summary_of_an_empty_folder_still_writes_both_files(tmp_path):
-    assert summary.main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == 0  # nothing ran, nothing failed
+    assert summary.main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == NOTHING_CHECKED  # no pass: nothing ran
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "no CUDA device" in md and "not run (proofs.json missing)" in md and "not run (matrix.json missing)" in md
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == []
@@ -129,18 +130,21 @@ def test_gpu_check_with_require_cuda_stops_without_a_gpu(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_rehearsal_on_cpu_skips_every_cuda_step_inside_its_budget(tmp_path):
     """The whole script as a GPU machine without omegaconf would meet it, on the CPU: the vendored
-    wheel stands in, every CUDA step reports itself skipped with the reason, inside 120 s."""
+    wheel stands in, every CUDA step runs its script, which reports itself skipped with the reason
+    (in its result file), inside 120 s; nothing about a GPU was checked, so the check does not pass."""
     out = tmp_path / "out"
     result, seconds = gpu_check(out, 200, PYTHONPATH=omegaconf_hidden(tmp_path), GPU_CHECK_BUDGET_S="120")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == NOTHING_CHECKED, result.stdout + result.stderr
     assert seconds < 130, result.stdout  # each step's time is in its summary table
     assert "omegaconf is not installed here: using omegaconf-" in result.stdout
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]  # <= 8 files
     s = json.loads((out / "summary.json").read_text())
     names = ["preflight", "throughput", "proofs", "cuda_tests", "matrix", "gpu_decode", "plan_check"]
     assert [step["name"] for step in s["steps"]] == names, s["steps"]
-    assert all(step["status"] == "passed" for step in s["steps"]), s["steps"]
+    assert s["steps"][0]["status"] == "passed" and all(step["status"] == "skipped" for step in s["steps"][1:])
+    assert all(step["limit_s"] > 0 for step in s["steps"]), s["steps"]  # each step's script ran (not skipped for time)
     no_cuda = "no CUDA device (torch.cuda.is_available() is False)"
+    assert {step["reason"] for step in s["steps"][1:] if step["name"] != "cuda_tests"} == {no_cuda}
     rows = [*s["proofs"]["rows"], *s["matrix"]["runs"], s["throughput"], s["gpu_decode"], s["plan_check"]]
     assert len(rows) == 7 + 12 + 3 and all(r["status"] == "skipped" and r["reason"] == no_cuda for r in rows)
     tests = s["cuda_tests"]
@@ -148,3 +152,4 @@ def test_gpu_check_rehearsal_on_cpu_skips_every_cuda_step_inside_its_budget(tmp_
     assert len(tests["skipped"]) >= 8 and all("CUDA GPU" in x for x in tests["skipped"])  # needs one, or 2
     assert s["environment"]["omegaconf_from"].endswith("/deps/omegaconf") and not s["environment"]["gpus"]
     assert (out / "summary.md").read_text().strip() in result.stdout
+    assert s["verdict"]["exit"] == NOTHING_CHECKED and "gpu_check: NOTHING CHECKED" in result.stdout

@@ -1,7 +1,8 @@
 """The GPU check's preflight (under a minute): import every module the steps use, print the
-versions and the GPU, write preflight.json (the summary's environment), and exit with
+versions and the GPU, write preflight.json (the summary's environment) and skip.tsv (the steps
+that cannot run here, each with the reason: a module only that step needs is missing), and exit with
 
-    0  everything imports (and CUDA is usable, or REQUIRE_CUDA is not 1)
+    0  every module imports but those of skipped steps (and CUDA is usable, or REQUIRE_CUDA is not 1)
     3  a module cannot be imported: the message names it
     4  REQUIRE_CUDA=1 and torch sees no CUDA device
 
@@ -20,26 +21,40 @@ import time
 from pathlib import Path
 
 MISSING, NO_CUDA = 3, 4
-# Every step's script (they import the rest of multicard and torch), pytest for the tests step, and
-# the modules the steps' subprocesses import beyond them (`multicard train`/`eval`, fsdp, compile).
-MODULES = ["torch", "torchvision", "numpy", "PIL", "yaml", "omegaconf", "rich", "pytest", "multicard.cli",
+# Every step's script (they import the rest of multicard and torch), and the modules the steps'
+# subprocesses import beyond them (`multicard train`/`eval`, fsdp, compile).
+MODULES = ["torch", "torchvision", "numpy", "PIL", "yaml", "omegaconf", "rich", "multicard.cli",
            "multicard.commands", "multicard.session", "multicard.strategy.fsdp", "multicard.checkpoint",
            "multicard.data.gpu_decode", "multicard.plan.planner", "multicard.plan.worker", "torch._dynamo",
            "torch.distributed.checkpoint", "torch.utils.flop_counter"]  # fmt: skip
 STEP_SCRIPTS = ["throughput", "proofs", "matrix", "gpu_decode", "plan_check", "summary"]
+# Modules one step alone needs (absent from a bare `pip install multicard`): without one, that step
+# is skipped with the reason instead of the whole check stopping.
+STEP_MODULES = {"pytest": "cuda_tests"}
 
 
-def try_imports() -> dict[str, str]:
-    """missing or broken module → why, and which of ours needed it (one entry per module)."""
+def try_imports(names: list[str]) -> dict[str, str]:
+    """missing or broken module → why, and which of `names` needed it (one entry per module)."""
     sys.path.insert(0, str(Path(__file__).parent))
     failed: dict[str, list] = {}
-    for name in MODULES + STEP_SCRIPTS:
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception as exc:  # ImportError and whatever a broken install raises at import
             culprit = getattr(exc, "name", None) or name
             failed.setdefault(culprit, [f"{type(exc).__name__}: {exc}", []])[1].append(name)
     return {module: f"{why} (needed by {', '.join(users)})" for module, (why, users) in failed.items()}
+
+
+def step_skips() -> dict[str, str]:
+    """step → why it is skipped (one line, no tab), for each module of STEP_MODULES that cannot be imported."""
+    skips = {}
+    for module, step in STEP_MODULES.items():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # as in try_imports
+            skips[step] = " ".join(f"cannot import {module}, which it needs ({type(exc).__name__}: {exc})".split())
+    return skips
 
 
 def versions() -> dict:
@@ -69,14 +84,19 @@ def versions() -> dict:
 
 def main() -> int:
     out = Path(sys.argv[1])
-    failed = try_imports()
+    failed = try_imports(MODULES + STEP_SCRIPTS)
+    skips = step_skips()
     env = versions()
-    env["failed_imports"] = failed
+    env["failed_imports"], env["skipped_steps"] = failed, skips
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(env, indent=1))
+    (out.parent / "skip.tsv").write_text("".join(f"{step}\t{why}\n" for step, why in skips.items()))
+    out.write_text(json.dumps(env, indent=1))  # last: its presence says the preflight finished
     for name, why in failed.items():
         print(f"gpu_check: error: cannot import {name}: {why}", file=sys.stderr, flush=True)
-    print("preflight: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("failed_imports", "executable")))
+    for step, why in skips.items():
+        print(f"gpu_check: {step} will be skipped: {why}", flush=True)
+    said = ("failed_imports", "skipped_steps", "executable")  # said above, or too long for the line
+    print("preflight: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in said))
     if failed:
         return MISSING
     if not env.get("gpus") and os.environ.get("REQUIRE_CUDA") == "1":

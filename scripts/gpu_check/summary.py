@@ -4,10 +4,14 @@ seconds and limit), throughput/throughput.json, proofs/proofs.json, cuda_tests.x
 JUnit report), matrix/matrix.json, gpu_decode/gpu_decode.json, plan_check/plan_check.json.
 
 Standard library only, and every file and value may be missing or None (a step cut short, a
-number not measured): it always writes both files. gpu_check.sh runs it after every step and at
-the end. Exit 1 when something failed, else 0.
+number not measured): it always writes both files. gpu_check.sh runs it after every step (with
+--step NAME: it prints that step's outcome line) and at the end (--print: the whole summary).
 
-    python scripts/gpu_check/summary.py WORK OUT [--print]
+A step passes on evidence alone: one that exited 0 (status "ran" in steps.jsonl) passed, was
+skipped or failed as its result file says, and failed without one. Exit 1 when something failed,
+5 when nothing was checked (no step after the preflight passed: every one skipped), else 0.
+
+    python scripts/gpu_check/summary.py WORK OUT [--print] [--step NAME]
 """
 
 from __future__ import annotations
@@ -18,6 +22,17 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+FAILED, NOTHING_CHECKED = 1, 5  # gpu_check.sh's exit codes (its header)
+RESULTS = {  # each step → the result file it writes in WORK (preflight's is the environment)
+    "preflight": "preflight/preflight.json",
+    "throughput": "throughput/throughput.json",
+    "proofs": "proofs/proofs.json",
+    "cuda_tests": "cuda_tests.xml",
+    "matrix": "matrix/matrix.json",
+    "gpu_decode": "gpu_decode/gpu_decode.json",
+    "plan_check": "plan_check/plan_check.json",
+}
+OUTCOMES = ("passed", "skipped", "failed")
 TARGETS = {  # name → (what, comparison, bound)
     "mfu": ("resnet18_cifar bf16 model FLOP utilisation", ">=", 0.30),
     "loader_share": ("device loader share of step time", "<=", 0.03),
@@ -189,7 +204,7 @@ def plan_lines(p: dict | None) -> list[str]:
 def table(s: dict) -> str:
     env = s.get("environment") or {}
     gpus = ", ".join(env.get("gpus") or []) or "no CUDA device"
-    lines = [f"# GPU check {env.get('date', '')}: {gpus}", "",
+    lines = [f"# GPU check {env.get('date', '')}: {gpus}", "", f"**{s['verdict']['line']}**", "",
              f"torch {env.get('torch')} (CUDA {env.get('cuda')}), torchvision {env.get('torchvision')}, "
              f"Python {env.get('python')}, omegaconf {env.get('omegaconf')}", ""]  # fmt: skip
     if env.get("failed_imports"):
@@ -216,20 +231,64 @@ def table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _rows_evidence(rows: list, file: str) -> tuple[str, str]:
+    """A step of rows (proofs, matrix) passed when one row passed and none failed."""
+    if not rows:
+        return "failed", f"{file} holds no rows"
+    bad = [r for r in rows if r.get("status") not in ("passed", "skipped")]
+    if bad:
+        return "failed", f"{len(bad)} of {len(rows)} failed, first {bad[0].get('name')}: {bad[0].get('reason', '')}"
+    passed = sum(r.get("status") == "passed" for r in rows)
+    if passed:
+        return "passed", f"{passed} of {len(rows)} passed, {len(rows) - passed} skipped"
+    return "skipped", "; ".join(sorted({str(r.get("reason", "")) for r in rows}))
+
+
+def _tests_evidence(tests: dict) -> tuple[str, str]:
+    if tests.get("status") == "missing":
+        return "failed", f"exited 0 but {tests.get('reason')}"
+    if tests.get("failed") or tests.get("status") not in OUTCOMES:
+        failures = tests.get("failed") or [tests.get("reason", "")]
+        return "failed", f"{len(failures)} failed, first {failures[0]}"
+    if tests.get("status") == "skipped":
+        return "skipped", "; ".join(sorted({x.split(": ", 1)[-1] for x in tests.get("skipped", [])})) or "no tests ran"
+    return "passed", f"{tests.get('passed')} passed, {len(tests.get('skipped', []))} skipped"
+
+
+def evidence(name: str, s: dict) -> tuple[str, str]:
+    """What a step that exited 0 did, from its result file alone: (passed | skipped | failed, why)."""
+    file = RESULTS.get(name, "its result file").rsplit("/", 1)[-1]
+    if name == "cuda_tests":
+        return _tests_evidence(s.get("cuda_tests") or {})
+    result = s.get("environment" if name == "preflight" else name)
+    if not isinstance(result, dict) or name not in RESULTS:
+        return "failed", f"exited 0 but wrote no {file}"
+    if name == "preflight":
+        return ("passed", "") if result.get("python") else ("failed", f"{file} holds no versions")
+    if name in ("proofs", "matrix"):
+        return _rows_evidence(result.get("rows" if name == "proofs" else "runs") or [], file)
+    if result.get("status") not in OUTCOMES:
+        return "failed", f"{file} gives no outcome (status {result.get('status')!r})"
+    return result["status"], str(result.get("reason") or "")
+
+
+def judged(step: dict, s: dict) -> dict:
+    """The step as its evidence says: the shell's own skipped, failed and timed out stand; an exit 0
+    ("ran") becomes what the step's result file says."""
+    if step.get("status") in ("skipped", "failed", "timed out"):
+        return step
+    status, reason = evidence(str(step.get("name")), s)
+    return {**step, "status": status, "reason": reason}
+
+
 def summarise(work: Path) -> dict:
-    matrix = read_json(work / "matrix" / "matrix.json")
-    throughput = read_json(work / "throughput" / "throughput.json")
-    return {
-        "environment": read_json(work / "preflight" / "preflight.json"),
-        "steps": read_steps(work / "steps.jsonl"),
-        "throughput": throughput,
-        "proofs": read_json(work / "proofs" / "proofs.json"),
-        "cuda_tests": cuda_tests(work / "cuda_tests.xml"),
-        "matrix": matrix,
-        "gpu_decode": read_json(work / "gpu_decode" / "gpu_decode.json"),
-        "plan_check": read_json(work / "plan_check" / "plan_check.json"),
-        "targets": targets(matrix, throughput),
-    }
+    read = {name: cuda_tests(work / path) if name == "cuda_tests" else read_json(work / path)
+            for name, path in RESULTS.items()}  # fmt: skip
+    s = {"environment": read.pop("preflight"), "steps": [], **read}
+    s["targets"] = targets(s["matrix"], s["throughput"])
+    s["steps"] = [judged(step, s) for step in read_steps(work / "steps.jsonl")]
+    s["verdict"] = verdict(s)
+    return s
 
 
 def failed(s: dict) -> bool:
@@ -243,6 +302,27 @@ def failed(s: dict) -> bool:
     )
 
 
+def verdict(s: dict) -> dict:
+    """The check's exit code and its one line: failed, nothing checked (no step after the preflight
+    passed), or passed."""
+    steps = s.get("steps") or []
+    checked = [step["name"] for step in steps if step.get("name") != "preflight" and step.get("status") == "passed"]
+    if failed(s):
+        bad = [f"{step.get('name')} {step.get('status')}" for step in steps if step.get("status") not in OUTCOMES[:2]]
+        return {"exit": FAILED, "line": f"FAILED: {', '.join(bad) or 'a result says failed'} (summary.md says which)"}
+    if not checked:
+        why = sorted({str(step.get("reason")) for step in steps if step.get("name") != "preflight"})
+        return {"exit": NOTHING_CHECKED, "line": "NOTHING CHECKED: no step after the preflight passed "
+                f"({'; '.join(why) or 'none ran'}); a check that ran nothing is no pass"}  # fmt: skip
+    return {"exit": 0, "line": f"passed: {', '.join(checked)} (each on its result file; skips below)"}
+
+
+def step_line(s: dict, name: str) -> str:
+    step = next((x for x in reversed(s.get("steps") or []) if x.get("name") == name), {})
+    reason = f" ({step['reason']})" if step.get("reason") else ""
+    return f"-- {name}: {step.get('status', 'not recorded')} in {step.get('seconds', 0)} s{reason}"
+
+
 def main(argv: list[str]) -> int:
     work, out = Path(argv[0]), Path(argv[1])
     s = summarise(work)
@@ -250,9 +330,12 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(s, indent=1))
     (out / "summary.md").write_text(text + "\n")
+    if "--step" in argv:
+        print(step_line(s, argv[argv.index("--step") + 1]))
     if "--print" in argv:
         print(text)
-    return 1 if failed(s) else 0
+        print(f"gpu_check: {s['verdict']['line']}")
+    return s["verdict"]["exit"]
 
 
 if __name__ == "__main__":

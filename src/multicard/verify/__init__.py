@@ -14,7 +14,8 @@ Checks: parity (parameters after K steps agree), eval (the same parameters evalu
 identically at both world sizes), coverage (every sample once per epoch, a new order each
 epoch), resume (both resumed runs continue the uninterrupted job: bitwise in the same layout,
 within 1e-10 in one process; else the differing parts are named: model, optimizer, scheduler,
-RNG, data position).
+RNG, data position). A verify that proves nothing is no pass: chosen checks that would all be
+skipped are refused before any run, and runs that left every check skipped end in an error.
 """
 
 from __future__ import annotations
@@ -171,10 +172,12 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
         )
     dropping = any(f in RESUME_FAULTS for f in options.faults)  # --break rng / data-position
     synthetic = user.data.name == "synthetic"
-    if dropping and resume_cut(options.steps, _synthetic_epoch(options.steps) if synthetic else options.steps) is None:
+    no_cut = resume_cut(options.steps, _synthetic_epoch(options.steps) if synthetic else options.steps) is None
+    if dropping and no_cut:
         raise _nowhere_to_stop(options)
     probe = build_model(user.model.name, 10, dict(user.model.kwargs))  # only inspected for BatchNorm and dropout
     dropout = has_dropout(probe)
+    _refuse_checking_nothing(options, dropout, no_cut)
     checks, steps, faults = set(options.checks), options.steps, options.faults
     with tempfile.TemporaryDirectory(prefix="multicard-verify-") as tmp:
         runs = _configs(options, user, Path(options.out or tmp), probe)
@@ -200,7 +203,29 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
     for o in outcomes:
         mark = {"pass": "[green]PASS[/green]", "fail": "[red]FAIL[/red]", "skip": "[yellow]SKIP[/yellow]"}[o.status]
         console.print(f"{mark} {o.name}: {o.detail}", soft_wrap=True)  # one line per check
+    if all(o.status == "skip" for o in outcomes):  # what the runs found made every check skip
+        why = "; ".join(dict.fromkeys(o.detail for o in outcomes))
+        raise UserError(f"nothing was checked: every selected check was skipped ({why}); choose --checks that can run")
     return outcomes
+
+
+def _refuse_checking_nothing(options: VerifyOptions, dropout: bool, no_cut: bool) -> None:
+    """Before any run: a selection of checks that would all be skipped is refused (a verify that
+    proved nothing is no pass), naming what to change."""
+    skipped = {}
+    if dropout:
+        skipped["parity"] = (
+            "parity cannot compare a model with dropout (its masks differ per rank): add eval, coverage or resume "
+            "to --checks"
+        )
+    if no_cut:
+        skipped["resume"] = (
+            f"resume needs a step inside an epoch to stop the job at and none of its {options.steps} steps but the "
+            f"last is: raise --steps (4 or more on synthetic data)"
+        )
+    if set(options.checks) <= set(skipped):
+        why = "; ".join(skipped[c] for c in dict.fromkeys(options.checks))
+        raise UserError(f"--checks {','.join(options.checks)} would check nothing: {why}")
 
 
 def _run_all(options: VerifyOptions, runs: Runs, dropout: bool) -> tuple[dict[str, Any], dict[str, Any]]:
