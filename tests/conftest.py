@@ -150,6 +150,21 @@ def stopped_after_first_checkpoint(out: Path, *args: str, env: dict | None = Non
     return load_checkpoint(out / "checkpoints" / "last.pt")["step"]
 
 
+def srun_task(rank: int, port: int, argv: list[str]) -> subprocess.Popen:
+    """One of the 2 tasks `srun --ntasks-per-node=2 python ARGV` would start on one node: the
+    SLURM_* variables srun gives its tasks (srun is emulated)."""
+    env = clean_env({
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "multicard", "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank), "MASTER_PORT": str(port),
+    })  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *args],

@@ -11,13 +11,12 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from torch.distributed.run import get_args_parser
 
-from conftest import TINY, assert_bitwise_equal, clean_env, final_params, wait_for
+from conftest import TINY, assert_bitwise_equal, final_params, srun_task, wait_for
 from multicard.checkpoint import checkpoints_in, load_file
 from multicard.cli import parse
 from multicard.config import load_config
@@ -87,20 +86,6 @@ PREEMPT = [*TINY, "data.train_size=2048", "train.epochs=2", "checkpoint.every_st
            "threads=1", "devices=cpu"]  # fmt: skip
 
 
-def srun_task(rank: int, port: int, args: list[str]) -> subprocess.Popen:
-    """One of the 2 tasks `srun --ntasks-per-node=2` would start on one node."""
-    env = clean_env({
-        "SLURM_JOB_ID": JOB["SLURM_JOB_ID"], "SLURM_JOB_NAME": "multicard", "SLURM_NNODES": "1",
-        "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_TASKS": "2",
-        "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": str(rank), "MASTER_PORT": str(port),
-    })  # fmt: skip
-    return subprocess.Popen(
-        [sys.executable, "-m", "multicard", *args], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-
-
 def run_tasks(tasks: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
     try:
         outputs = [task.communicate(timeout=180) for task in tasks]
@@ -114,7 +99,7 @@ def run_tasks(tasks: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
 
 @pytest.mark.distributed
 def test_sigusr1_under_srun_checkpoints_and_the_requeued_run_resumes(tmp_path):
-    args = [*multicard_argv(srun_commands()["python"]), *PREEMPT, f"out_dir={tmp_path / 'job'}"]
+    args = ["-m", "multicard", *multicard_argv(srun_commands()["python"]), *PREEMPT, f"out_dir={tmp_path / 'job'}"]
     folder = tmp_path / "job" / "checkpoints"
     port = free_port()
     tasks = [srun_task(rank, port, args) for rank in (0, 1)]

@@ -159,7 +159,23 @@ def build_parser() -> _Parser:
     i.add_argument("--batches", type=int, default=4, help="micro-batches measured per rank (default 4)")
 
     _add_verify_parser(sub)
+    _add_run_parser(sub)
     return parser
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    u = sub.add_parser(
+        "run", help="run your own training script (multicard.Run) in one process or as N workers",
+        description="Run a training script that uses multicard.Run: in this process, or with --nproc-per-node "
+        "as DDP workers through torchrun's agent (graceful stop, stall reports, the same exit codes).",
+    )  # fmt: skip
+    _add_launch_flags(u)
+    u.add_argument(
+        "--stop-timeout", type=float, default=300.0,
+        help="seconds the workers get to checkpoint and exit after a stop signal (default 300)",
+    )  # fmt: skip
+    u.add_argument("script", help="the Python script to run")
+    u.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -279,6 +295,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     """The command line, with KEY=VALUE overrides accepted anywhere among the flags."""
     parser = build_parser()
     commands = parser.commands
+    if argv and argv[0] == "run":  # everything after the script is the script's
+        args = commands["run"].parse_args(argv[1:])
+        args.command = "run"
+        return args
     if argv and argv[0] in commands:
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
@@ -318,6 +338,29 @@ def _report(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _run(args: argparse.Namespace) -> int:
+    """`multicard run [--nproc-per-node N ...] SCRIPT ARGS`: the script as `python SCRIPT ARGS` would
+    run it, here or in N workers (one per GPU) started by torchrun's agent."""
+    import runpy
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise UserError(f"script {args.script} not found; give the path of a Python file (multicard run my_train.py)")
+    env = detect_env()
+    options = _launch_options(args, env)
+    if options is None:
+        saved = sys.argv
+        sys.argv = [str(script), *args.args]
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        finally:
+            sys.argv = saved
+        return ExitCode.OK
+    if not resolve_gpus([]):
+        check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
+    return launch_workers(options, args.args, stop_timeout_s=args.stop_timeout, script=str(script))
+
+
 def _export(args: argparse.Namespace) -> int:
     from multicard import commands
 
@@ -331,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands_by_name = {
             "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
-            "plan": _plan, "pack": _pack, "input-split": _input_split,
+            "plan": _plan, "pack": _pack, "input-split": _input_split, "run": _run,
         }  # fmt: skip
         if args.command == "train" and not detect_env().launched:
             with BeforeTraining():  # a stop signal in start-up is one line too (a worker's launcher says it)

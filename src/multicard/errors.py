@@ -49,6 +49,8 @@ class MulticardError(Exception):
     """Base class: an expected failure, reported in one line without a traceback."""
 
     exit_code = ExitCode.INTERNAL
+    # Every rank meets it alike (bad settings read by every rank): rank 0 alone says it, without "(rank R)".
+    every_rank = False
 
 
 class UserError(MulticardError):

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from multicard.errors import ExitCode, MulticardError, Stopped
 from multicard.process_group import communication_failure, detect_env, end_process
+
+EVERY_RANK_WAIT_S = 20.0  # how long a rank leaves rank 0 to say an error every rank met (see report_error)
 
 
 def say_line(line: str) -> None:
@@ -38,10 +41,14 @@ def report_error(exc: BaseException) -> int | None:
             print(f"multicard: {exc}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, MulticardError):
-        where = f" (rank {env.rank})" if env.world_size > 1 else ""
-        if env.is_main or not getattr(exc, "agreed", False):  # an error every rank met: rank 0 says it
+        where = f" (rank {env.rank})" if env.world_size > 1 and not exc.every_rank else ""
+        if env.is_main or not exc.every_rank:  # an error every rank met: rank 0 says it
             say_line(f"multicard: error{where}: {exc}")
         if env.launched and env.world_size > 1:
+            if exc.every_rank and not env.is_main:
+                # Rank 0 says it and ends, then the launcher ends this rank; ending first would have
+                # the launcher stop rank 0 before it could say it. Bounded: not every launcher ends the rest.
+                time.sleep(EVERY_RANK_WAIT_S)
             # End now, before interpreter shutdown closes this rank's connections: a peer that
             # loses them must not exit first, or the launcher would report its error, not ours.
             end_process(exc.exit_code)

@@ -337,23 +337,26 @@ def launch_workers(
     worker_argv: list[str],
     module: str = "multicard",
     stop_timeout_s: float = CheckpointConfig.stop_timeout_s,
+    script: str | None = None,
 ) -> int:
-    """Run `python -m <module> <worker_argv>` in nproc_per_node workers; return the exit code.
-    A signal to the launcher gives the workers up to `stop_timeout_s` to stop (StopRelay).
+    """Run `python -m <module> <worker_argv>` (or, given a `script`, `python <script> <worker_argv>`:
+    a user's loop with multicard.Run) in nproc_per_node workers; return the exit code. A signal to
+    the launcher gives the workers up to `stop_timeout_s` to stop (StopRelay).
 
     Several nodes: ranks follow the rendezvous order (by node address), not --node-rank, which
     only says which node hosts the rendezvous.
     """
+    program = [script, *worker_argv] if script is not None else ["-m", module, *worker_argv]
     relay = StopRelay(stop_timeout_s)
     try:
         with relay:  # from the start: a signal while waiting for node 0 or the rendezvous is answered too
-            return _launch(options, worker_argv, module)
+            return _launch(options, program)
     except SignalException:
         # A signal to the launcher: StopRelay has passed it on and the workers have ended.
-        return relay.report(training=module == "multicard" and worker_argv[:1] == ["train"])
+        return relay.report(training=script is not None or (module == "multicard" and worker_argv[:1] == ["train"]))
 
 
-def _launch(options: LaunchOptions, worker_argv: list[str], module: str, port_tries: int = 3) -> int:
+def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> int:
     addr = options.master_addr or "127.0.0.1"
     port = options.master_port or free_port()
     if options.master_port is not None and options.node_rank == 0:
@@ -375,7 +378,7 @@ def _launch(options: LaunchOptions, worker_argv: list[str], module: str, port_tr
         **_rendezvous(options, addr, port),
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_argv)
+        elastic_launch(config, entrypoint=sys.executable)(*program)
     except RendezvousTimeoutError:
         raise UserError(
             f"not all {options.nnodes} nodes joined the rendezvous at {addr}:{port} within "
@@ -384,7 +387,7 @@ def _launch(options: LaunchOptions, worker_argv: list[str], module: str, port_tr
         ) from None
     except RendezvousConnectionError:
         if options.master_port is None and options.nnodes == 1 and port_tries > 1:
-            return _launch(options, worker_argv, module, port_tries - 1)  # its free port was taken meanwhile
+            return _launch(options, program, port_tries - 1)  # its free port was taken meanwhile
         raise UserError(
             f"rendezvous at {addr}:{port} failed: this node cannot host its store there (the port is taken, or the "
             f"address is not this machine's); choose another --master-port or --master-addr"

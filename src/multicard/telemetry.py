@@ -287,9 +287,8 @@ class TrainingLog(Callback):
     def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
         self.reporter.record("epoch", **record)
         if "train_loss" not in record:  # a user's loop (multicard.Run): the values it logged
-            values = " ".join(f"{name} {value:.4g}" for name, value in logged(record).items())
-            self.reporter.print(f"epoch {record['epoch']}: {values} | {record['img_per_s']:.0f} img/s, "
-                                f"{record['epoch_s']:.1f} s")  # fmt: skip
+            values = "".join(f"{name} {value:.4g} | " for name, value in logged(record).items())
+            self.reporter.print(f"epoch {record['epoch']}: {values}{record['img_per_s']:.0f} img/s, {record['epoch_s']:.1f} s")
             return
         line = f"epoch {record['epoch']}: train loss {record['train_loss']:.4f} top-1 {record['train_top1']:.2f}%"
         if val is not None:

@@ -55,14 +55,16 @@ def _install() -> None:
 
         DeviceTrainLoader.__iter__ = batches
     elif FAULT in ("slow-steps", "slow-stop"):
-        original_step = Trainer._step
+        from multicard.loop import Loop  # the one step of multicard train and of a user's loop (multicard.Run)
+
+        original_step = Loop.optimizer_step
         pause = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000
 
-        def step(self, batches, callbacks):
+        def step(self):
             time.sleep(pause)
-            return original_step(self, batches, callbacks)
+            return original_step(self)
 
-        Trainer._step = step
+        Loop.optimizer_step = step
         if FAULT == "slow-stop":
             from multicard.checkpoint import Checkpointer
 
@@ -75,14 +77,14 @@ def _install() -> None:
 
             Checkpointer.on_stop = on_stop
     elif FAULT == "skip":
-        original_reduce = Trainer._reduce_statistics
+        original_reduce = Trainer.reduce_statistics
 
         def reduce_statistics(self):
             if self.position.global_step >= after:
                 _block()  # never enters the all-reduce the other ranks wait in
             return original_reduce(self)
 
-        Trainer._reduce_statistics = reduce_statistics
+        Trainer.reduce_statistics = reduce_statistics
 
 
 if FAULT == "slow-start" and ON_THIS_RANK:

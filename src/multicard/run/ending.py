@@ -21,11 +21,14 @@ def ours(exc: BaseException) -> bool:
     return isinstance(exc, (MulticardError, KeyboardInterrupt)) or communication_failure(exc) is not None
 
 
-def end_on_error(cleanup: Callable[[BaseException], None]) -> None:
-    """Install the hook once per process; `cleanup(exc)` runs before the process ends on such an error
-    (the latest registered first)."""
+def on_error(cleanup: Callable[[BaseException], None]) -> None:
+    """`cleanup(exc)` runs before the process ends on such an error (the latest registered first)."""
     _cleanups.append(cleanup)
-    if getattr(sys.excepthook, "multicard", False):
+
+
+def install() -> None:
+    """The hook, once per process (a wrapper torch's process group puts around it keeps it)."""
+    if any(getattr(hook, "multicard", False) for hook in _hooks_in(sys.excepthook)):
         return
     previous = sys.excepthook
 
@@ -33,6 +36,9 @@ def end_on_error(cleanup: Callable[[BaseException], None]) -> None:
         if not ours(exc):
             previous(kind, exc, tb)
             return
+        # torch's process group wraps this hook and collects what it writes to prefix it with the
+        # rank; the process ends here, so the line goes straight to the real stderr.
+        sys.stderr = sys.__stderr__
         for release in reversed(_cleanups):
             release(exc)
         code = report_error(exc)
@@ -42,3 +48,13 @@ def end_on_error(cleanup: Callable[[BaseException], None]) -> None:
 
     hook.multicard = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _hooks_in(hook: object) -> list[object]:
+    """`hook` and, if it wraps ours (torch's _distributed_excepthook keeps the one it replaced in a
+    closure), the hooks inside it."""
+    found = [hook]
+    for cell in getattr(hook, "__closure__", None) or ():
+        if callable(cell.cell_contents):
+            found.append(cell.cell_contents)
+    return found

@@ -32,11 +32,12 @@ from multicard.data.keyed import Transform, check_map_style
 from multicard.errors import UserError
 from multicard.loop import Position
 from multicard.phases import EVALUATION, IDLE
+from multicard.run.ending import install as install_error_hook
 from multicard.run.evaluation import MetricFn, Scores, evaluate_sums
 from multicard.run.loading import Loader, eval_loader
 from multicard.run.preparation import prepare_model
 from multicard.run.runtime import Runtime
-from multicard.run.settings import run_config
+from multicard.run.settings import in_arguments, run_config
 from multicard.run.training import Training
 
 
@@ -51,7 +52,13 @@ class Run:
         best_mode: str = "max", options: Mapping[str, Any] | list[str] = (),
     ) -> None:  # fmt: skip
         arguments = {k: v for k, v in locals().items() if k not in ("self", "options", "best", "best_mode")}
-        self.runtime = Runtime(run_config(arguments, options), script=sys.argv[0] or "<stdin>")
+        install_error_hook()  # from here on, an uncaught multicard error is one line and its exit code
+        try:
+            self.runtime = Runtime(run_config(arguments, options), script=sys.argv[0] or "<stdin>")
+        except UserError as exc:  # a config key's name → the argument that set it
+            error = UserError(in_arguments(str(exc)))
+            error.every_rank = True  # the same arguments on every rank: rank 0 says it
+            raise error from None
         self.training = Training(self.runtime, best, best_mode)
         self.state = self.training.state  # the user's own resumable values (run.state["best"] = ...)
         self._closed = False

@@ -20,7 +20,7 @@ from multicard.errors import UserError
 from multicard.loop import Loop
 from multicard.preflight import check_extras, prepare_out_dir
 from multicard.process_group import detect_env, die_with_launcher, teardown
-from multicard.run.ending import end_on_error
+from multicard.run.ending import on_error
 from multicard.run_lock import RunLock
 from multicard.session import seed_process, start_process, watch_for_stalls
 from multicard.stopping import GracefulStop
@@ -33,7 +33,8 @@ class Runtime:
         self.cfg, self.script = cfg, script
         self._stack = ExitStack()
         self.started = False  # training began: files of this run exist beside the lock
-        end_on_error(self.abandon)
+        self.lock: RunLock | None = None
+        on_error(self.abandon)
         env = detect_env()
         die_with_launcher(env)
         check_extras(cfg)
@@ -73,15 +74,19 @@ class Runtime:
     def abandon(self, exc: BaseException | None = None) -> None:
         """An error ends the process: release out_dir (as found, if the run never started), and
         close files; the process group is left to the exit (see exits.report_error)."""
-        if not self.started:
-            self.lock.refused()
-        self.lock.release()
-        self.reporter.close()
+        if self.lock is not None:
+            if not self.started:
+                self.lock.refused()
+            self.lock.release()
+        self._stack.pop_all()  # the watchdog is a daemon thread; signal handlers stay until the end
+        if hasattr(self, "reporter"):
+            self.reporter.close()
 
     def close(self) -> None:
         """Stop the watchdog, restore signal handlers, close files, release out_dir, leave the group."""
         try:
             self._stack.close()
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
         finally:
             teardown()

@@ -18,8 +18,9 @@ import torch.nn as nn
 
 from multicard.checkpoint import Checkpointer, RunFacts
 from multicard.checkpoint.compat import run_length
-from multicard.errors import Stopped, UserError
+from multicard.errors import MulticardError, Stopped, UserError
 from multicard.loop import Hooks, Loop, Position, Schedule, StepEnd
+from multicard.run.ending import on_error
 from multicard.run.logbook import Logbook
 from multicard.run.settings import saved_config
 from multicard.run.state import Monitor, UserState
@@ -50,6 +51,13 @@ class Training:
         self._deferred: Stopped | None = None  # a stop agreed on an epoch's last step
         self._scheduler_state: dict[str, Any] | None = None  # a resumed scheduler's, until it is given
         runtime.watch(self.loop)
+        on_error(self._failed)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Before the process ends on a stop or an error of its own: writes complete, sinks closed
+        (not on a lost peer: a pending write's barrier would wait for it)."""
+        if isinstance(exc, (MulticardError, KeyboardInterrupt)):
+            self.finish(exc)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.loop.attach(model, optimizer)

@@ -1,0 +1,67 @@
+"""ResNet-18 on CIFAR-10. train_plain.py is a one-GPU script as the tutorials write it;
+train_multicard.py is the same script with multicard: `diff` them, 10 lines differ.
+
+    python examples/seed/train_plain.py                                        # one device
+    python examples/seed/train_multicard.py                                    # one device
+    multicard run --nproc-per-node 2 examples/seed/train_multicard.py          # DDP, 2 processes
+    torchrun --standalone --nproc-per-node 2 examples/seed/train_multicard.py  # the same under torchrun
+    srun --ntasks-per-node 8 python examples/seed/train_multicard.py           # Slurm, 8 GPUs a node
+    python examples/seed/train_multicard.py --strategy dp                      # DataParallel over the GPUs
+
+Stopped (Ctrl-C, SIGTERM, Slurm's SIGUSR1), the multicard version writes a checkpoint: run the same
+command to continue, at any world size. Its checkpoints are in runs/seed/checkpoints.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import torchvision
+import torchvision.transforms as T
+from torch.utils.data import DataLoader, Subset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--data", default="../shared/data/cifar10/train", help="an ImageFolder: <class>/<image>")
+parser.add_argument("--out", default="runs/seed")
+parser.add_argument("--epochs", type=int, default=30)
+parser.add_argument("--batch-size", type=int, default=128)
+parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--limit", type=int, default=0, help="train on this many images only (0: all but validation)")
+parser.add_argument("--val", type=int, default=5000, help="images held out for validation")
+parser.add_argument("--strategy", default="auto")
+args = parser.parse_args()
+
+mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+val_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
+order = torch.randperm(len(torchvision.datasets.ImageFolder(args.data)), generator=torch.Generator().manual_seed(0))
+train_idx = order[args.val :][: args.limit or None].tolist()
+train_set = Subset(torchvision.datasets.ImageFolder(args.data, transform=train_tf), train_idx)
+val_set = Subset(torchvision.datasets.ImageFolder(args.data, transform=val_tf), order[: args.val].tolist())
+
+
+def accuracy(model, batch):
+    images, labels = batch
+    return {"correct": (model(images).argmax(dim=1) == labels).sum()}
+
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=2, drop_last=True)
+model = torchvision.models.resnet18(num_classes=10).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=args.epochs * len(loader))
+
+for epoch in range(args.epochs):
+    model.train()
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    model.eval()
+    with torch.no_grad():
+        correct = sum(accuracy(model, (x.to(device), y.to(device)))["correct"] for x, y in DataLoader(val_set, 500))
+    print(f"epoch {epoch}: loss {loss.item():.4f}, val top-1 {100 * correct / len(val_set):.2f}%")
+torch.save(model.state_dict(), f"{args.out}.pt")
