@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utilities", (ROOT, "multicard.errors", "multicard.atomic", "multicard.torch_compat",
                    "multicard.host_memory", "multicard.malloc")),
     ("config", ("multicard.config",)),
-    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping")),
+    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping", "multicard.user_code")),
     ("data", ("multicard.data",)),
     ("models", ("multicard.models",)),
     # topology decides which strategy runs on which devices, from the config, the batch split and the data

@@ -47,8 +47,8 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
         try:
             resume_from = checkpointer.choose(cfg.train.resume)
             state = checkpointer.restore(resume_from, trainer) if resume_from is not None else None
-            reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=state["step"] if state is not None else None)
-            reporter.write_text(out_dir / "config.yaml", to_yaml(cfg))
+            resumed_at = state["step"] if state is not None else None
+            reporter.run_files(out_dir / "metrics.jsonl", resumed_at, {out_dir / "config.yaml": to_yaml(cfg)})
             reporter.print(
                 f"multicard: strategy={s.strategy.name} world_size={s.ctx.world_size} device={s.ctx.device.type} "
                 f"precision={cfg.precision} model={cfg.model.name} data={cfg.data.name} loader={s.data.loader} "
@@ -71,7 +71,6 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
                 )
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None
-            resumed_at = state["step"] if state is not None else None
             result = trainer.fit([checkpointer, *run_logs(cfg, out_dir, reporter, s.ctx.is_main, resumed_at)])
             if result is not None:
                 reporter.print(

@@ -12,6 +12,7 @@ import json
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from rich.progress import (
 
 from multicard.atomic import probe_write, write_text_atomic
 from multicard.config import DataConfig
+from multicard.data.device import DeviceTrainLoader
+from multicard.data.transforms import is_small
 from multicard.errors import UserError
 from multicard.trainer import Callback, EvalResult, StepEnd, Trainer
 
@@ -60,6 +63,23 @@ class Reporter:
         self._last_refresh = 0.0
         self._metrics = None
         self._metrics_path = Path()
+        self._due: tuple[Path, int | None, dict[Path, str]] | None = None  # run files not written yet
+
+    def run_files(self, metrics: Path, resumed_at: int | None, texts: dict[Path, str]) -> None:
+        """metrics.jsonl (`open_metrics`) and the files `texts` (config.yaml), written once the run
+        has trained a step (`write_run_files`): a run refused before then (a tracker that cannot be
+        reached, a bad item in the first batch) leaves its out_dir as it found it."""
+        if self.is_main:
+            self._due = (metrics, resumed_at, texts)
+
+    def write_run_files(self) -> None:
+        """Write the files `run_files` holds back, once (called after each step, and before a record)."""
+        if self._due is not None:
+            metrics, resumed_at, texts = self._due
+            self._due = None
+            self.open_metrics(metrics, resumed_at)
+            for path, text in texts.items():
+                self.write_text(path, text)
 
     def open_metrics(self, path: Path, resumed_at: int | None) -> None:
         """Start metrics.jsonl, or continue it from step `resumed_at` of a resumed run: records of
@@ -86,6 +106,7 @@ class Reporter:
 
     def record(self, kind: str, **fields: Any) -> None:
         """Append one JSON object to metrics.jsonl."""
+        self.write_run_files()
         if self._metrics is not None:
             try:
                 self._metrics.write(json.dumps({"kind": kind, **fields}) + "\n")
@@ -185,7 +206,8 @@ class Stragglers:
 
 class DataBound:
     """Says once when waiting for data takes more than SHARE of the step on some rank, over WINDOW
-    step records: the input pipeline, not the model, sets the pace."""
+    step records: the input pipeline, not the model, sets the pace. The advice fits the loader
+    that runs (`on_device`: data.loader=device's batches are made in the training process)."""
 
     SHARE, WINDOW = 0.10, 3
 
@@ -194,7 +216,7 @@ class DataBound:
         self.window: deque[tuple[float, int]] = deque(maxlen=self.WINDOW)  # (worst share, its rank)
         self.said = False
 
-    def update(self, record: dict[str, Any]) -> str | None:
+    def update(self, record: dict[str, Any], on_device: bool) -> str | None:
         ranks = record.get("ranks") or [{"step_ms": record.get("step_ms", 0.0), "data_ms": record.get("data_ms", 0.0)}]
         shares = [r["data_ms"] / r["step_ms"] if r["step_ms"] else 0.0 for r in ranks]
         worst = max(range(len(shares)), key=shares.__getitem__)
@@ -203,12 +225,25 @@ class DataBound:
             return None
         self.said = True
         share = statistics.mean(share for share, _ in self.window)
-        d = self.data
         return (
             f"the input pipeline holds training back: waiting for data takes {share:.0%} of each step "
-            f"(rank {worst}, up to step {record['step']}); try more loader processes (data.num_workers, now "
-            f"{d.num_workers}), data.decode=gpu for JPEGs on CUDA, or data.loader=device for images of up to 64 px; "
+            f"(rank {worst}, up to step {record['step']}); {self.advice(on_device)}; "
             f"multicard input-split shows where the input time goes"
+        )
+
+    def advice(self, on_device: bool) -> str:
+        d = self.data
+        if on_device:
+            one_by_one = d.policy != "none" or d.color_jitter > 0 or d.random_erasing > 0
+            each = " (data.policy, data.color_jitter and data.random_erasing one image at a time)" if one_by_one else ""
+            return (
+                f"data.loader=device makes the batches in the training process{each}: data.loader=workers makes "
+                f"them in loader processes, beside training"
+            )
+        device = ", or data.loader=device for images of up to 64 px" if is_small(d.image_size) else ""
+        return (
+            f"try more loader processes (data.num_workers, now {d.num_workers}), data.decode=gpu for JPEGs on "
+            f"CUDA{device}"
         )
 
 
@@ -258,7 +293,7 @@ class TrainingLog(Callback):
                     f"{found['median_data_ms']:.0f} ms) and is busy {found['busy_ms']:.0f} ms (median "
                     f"{found['median_busy_ms']:.0f} ms); the other ranks wait for it in every step"
                 )
-            note = self.data_bound.update(record)
+            note = self.data_bound.update(record, isinstance(trainer.train_loader, DeviceTrainLoader))
             if note is not None:
                 self.reporter.record("data_bound", step=record["step"], message=note)
                 self.reporter.print(note)
@@ -267,6 +302,7 @@ class TrainingLog(Callback):
             self.reporter.print(f"step {record['step']}: fp16 scaler skipped {skipped} NaN/inf micro-step(s)")
 
     def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+        self.reporter.write_run_files()  # the run has trained a step: its files are due
         self.reporter.advance(step.epoch, self.status)
         if not self._estimated:
             self._estimate(trainer, step.global_step)
@@ -288,19 +324,29 @@ class TensorBoardLog(Callback):
     """Scalars for TensorBoard in `folder`, written by rank 0: train loss/top-1, lr, img/s, the
     step-time split and each rank's step time at log steps; validation and peak memory at epoch
     ends. A resumed run purges what a crashed one wrote after its checkpoint, so each curve
-    continues without duplicate steps."""
+    continues without duplicate steps. The event file is made with the first scalars: a run
+    refused before its first step leaves none."""
+
+    _open: Callable[[], Any] | None = None  # makes the writer, until it is made
 
     def __init__(self, folder: Path, is_main: bool, resumed_at: int | None) -> None:
         self.writer = None
         if not is_main:
             return
         summary_writer = tensorboard_writer()
-        try:
-            self.writer = summary_writer(str(folder), purge_step=resumed_at + 1 if resumed_at is not None else None)
-        except OSError as exc:  # checked before training (check_tensorboard_folder); changed since
-            raise _tensorboard_unwritable(folder, exc) from None
+        purge_step = resumed_at + 1 if resumed_at is not None else None
+
+        def open_writer() -> Any:
+            try:
+                return summary_writer(str(folder), purge_step=purge_step)
+            except OSError as exc:  # checked before training (check_tensorboard_folder); changed since
+                raise _tensorboard_unwritable(folder, exc) from None
+
+        self._open = open_writer
 
     def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self.writer is None and self._open is not None:
+            self.writer, self._open = self._open(), None
         if self.writer is not None:
             for tag, value in values.items():
                 if value is not None:

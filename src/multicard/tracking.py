@@ -29,7 +29,7 @@ from multicard.config import Config, LogConfig, to_dict
 from multicard.errors import Stopped, UserError
 from multicard.run_records import run_figure
 from multicard.telemetry import TensorBoardLog
-from multicard.trainer import EvalResult, Trainer
+from multicard.trainer import EvalResult, StepEnd, Trainer
 
 TRACKERS_FILE = "trackers.json"  # in out_dir: the runs a resumed run continues
 # A tracker server that went away costs a few seconds once, not minutes of retries (the user's
@@ -274,13 +274,13 @@ class TrackerLog(TensorBoardLog):
         self.out_dir = out_dir
         self.last_val: EvalResult | None = None
         self.trackers: Trackers | None = None
+        self.config_sent = False  # config.yaml is uploaded once written, after the first step (Reporter.run_files)
         if not is_main:
             return
         self.trackers = Trackers(cfg.log, out_dir, resumed=resumed_at is not None)
         self.writer = TrackerWriter(self.trackers)
         config = to_dict(cfg)
         self.trackers.each("log the config", lambda run: run.params(config), only=lambda run: run.created)
-        self._file(out_dir / "config.yaml", "upload config.yaml")
 
     def _send(self, kind: str, step: int, write: Callable[[], None]) -> None:
         """Write a record's scalars to the trackers it has not reached yet (a run that crashed after
@@ -296,6 +296,11 @@ class TrackerLog(TensorBoardLog):
 
     def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
         self._send("step", record["step"], lambda: super(TrackerLog, self).on_log(trainer, record))
+
+    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+        if self.trackers is not None and not self.config_sent:  # after TrainingLog's on_step_end, which writes it
+            self.config_sent = True
+            self._file(self.out_dir / "config.yaml", "upload config.yaml")
 
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
         if val is not None:
