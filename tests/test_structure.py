@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utilities", ("multicard.version", "multicard.errors", "multicard.atomic", "multicard.torch_compat",
                    "multicard.host_memory", "multicard.malloc")),
     ("config", ("multicard.config",)),
-    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping", "multicard.exits")),
+    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping", "multicard.exits",
+                 "multicard.user_code")),
     ("data", ("multicard.data",)),
     ("models", ("multicard.models",)),
     # topology decides which strategy runs on which devices, from the config, the batch split and the data

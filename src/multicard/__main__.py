@@ -3,10 +3,15 @@ import os
 import sys
 
 from multicard.cli import main
-from multicard.process_group import LAUNCHER_PID
+from multicard.errors import ExitCode
+from multicard.process_group import LAUNCHER_PID, end_in_time
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except Exception:  # a bug: its traceback is printed, then the process must end all the same
+        end_in_time(ExitCode.INTERNAL)
+        raise
     if os.environ.get(LAUNCHER_PID) == str(os.getpid()):
         # This process was the launcher: its workers have ended and its files are closed. It skips
         # the interpreter's and C++'s teardown, where the rendezvous store's thread can abort the
@@ -18,4 +23,5 @@ if __name__ == "__main__":
     # Interpreter shutdown would walk every object torch's modules made (~0.7 s per process on
     # our CPUs); frozen, they are left to the OS. Exit handlers and thread joins still run.
     gc.freeze()
+    end_in_time(code)  # a thread the user's code left running must not keep the process alive
     raise SystemExit(code)

@@ -54,7 +54,8 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None
             resumed_at = resumed[1] if resumed is not None else None
-            result = trainer.fit([checkpointer, *run_logs(cfg, out_dir, reporter, s.ctx.is_main, resumed_at)])
+            logs = run_logs(cfg, out_dir, reporter, s.ctx.is_main, resumed_at, s.data.loader)
+            result = trainer.fit([checkpointer, *logs])
             if result is not None:
                 reporter.print(
                     f"final validation accuracy: top-1 {result.top1:.2f}%, top-5 {result.top5:.2f}% "

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.errors import UserError
+from multicard.user_code import user_code
 
 
 def resnet18_cifar(num_classes: int, **kwargs: Any) -> nn.Module:
@@ -224,7 +225,8 @@ def _timm_factory(name: str) -> Callable[..., nn.Module]:
 def _import_factory(spec: str) -> Callable[..., nn.Module]:
     module_name, _, func_name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with user_code(f"model.name={spec}"):
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UserError(f"model.name={spec}: cannot import module {module_name} ({exc})") from None
     factory = getattr(module, func_name, None)
@@ -264,7 +266,7 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
             f"{', '.join(BUILTIN)}, timm:NAME, or package.module:function"
         )
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), user_code(f"model.name={name}"):
             # torchvision announces future changes of its defaults on every build (inception_v3,
             # googlenet): noise for a run that names its arguments in model.kwargs.
             warnings.simplefilter("ignore", FutureWarning)

@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from multicard.errors import ExitCode, UserError
 SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id above this base
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
 PR_SET_PDEATHSIG = 1  # prctl option: a signal for this process when its parent dies
+EXIT_GRACE_S = 2.0  # how long threads still running when a command is done may delay its process's end
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,14 @@ class ProcessContext:
         """Wait for every rank (a no-op in one process)."""
         if self.distributed:
             dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (a picklable object; [obj] in one process)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     @contextmanager
     def local_main_first(self) -> Iterator[None]:
@@ -189,6 +199,32 @@ def end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def end_in_time(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Make sure the process ends with `code` once the command is done. The interpreter's exit
+    waits for every non-daemon thread, and one that never ends (started by a dataset function,
+    say) would keep the process, and a launcher waiting for it, alive forever: such threads get
+    `grace_s` to end, then the process ends without them, naming them. Call it just before the
+    interpreter's exit, which runs as usual meanwhile (exit handlers, threads that do end)."""
+    lingering = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    if not lingering:
+        return
+
+    def watch() -> None:
+        deadline = time.monotonic() + grace_s
+        for thread in lingering:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [repr(t.name) for t in lingering if t.is_alive()]
+        if alive:
+            line = (
+                f"multicard: warning: thread(s) {', '.join(alive)} still running {grace_s:g} s after the command "
+                f"ended (started by the dataset's or model's code, not multicard's); ending the process without them"
+            )
+            os.write(2, f"{line}\n".encode())
+            end_process(code)
+
+    threading.Thread(target=watch, name="multicard-exit", daemon=True).start()
 
 
 def die_with_launcher(env: ProcessEnv) -> None:

@@ -135,10 +135,11 @@ def announce_start(
     resumed: tuple[Path, int] | None, notes: list[str],
 ) -> None:  # fmt: skip
     """What every training run writes and says as it starts: metrics.jsonl (continued after the
-    checkpoint it resumed, `resumed` = (path, step)), config.yaml, its start line, where it
-    resumed (or its notes), and that nothing is left to train when it is complete."""
-    reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=resumed[1] if resumed is not None else None)
-    reporter.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
+    checkpoint it resumed, `resumed` = (path, step)) and config.yaml, both once it has trained a
+    step (a run refused before then leaves out_dir as it found it); its start line, where it resumed
+    (or its notes), and that nothing is left to train when it is complete."""
+    resumed_at = resumed[1] if resumed is not None else None
+    reporter.run_files(out_dir / "metrics.jsonl", resumed_at, {out_dir / "config.yaml": OmegaConf.to_yaml(config)})
     reporter.print(line)
     if resumed is None:
         for note in notes:
@@ -157,10 +158,13 @@ def announce_start(
         )
 
 
-def run_logs(cfg: Config, out_dir: Path, reporter: Reporter, is_main: bool, resumed_at: int | None) -> list[Callback]:
+def run_logs(
+    cfg: Config, out_dir: Path, reporter: Reporter, is_main: bool, resumed_at: int | None, loader: str
+) -> list[Callback]:
     """Every logging callback of a training run (console and metrics.jsonl, TensorBoard, trackers),
-    as train attaches them and `multicard bench --logging` times them."""
-    logs: list[Callback] = [TrainingLog(reporter, cfg.data)]
+    as train attaches them and `multicard bench --logging` times them; `loader`: device, workers
+    or user (a user's loop)."""
+    logs: list[Callback] = [TrainingLog(reporter, cfg.data, loader)]
     if cfg.log.tensorboard:
         logs.append(TensorBoardLog(out_dir / "tensorboard", is_main, resumed_at))
     if cfg.log.mlflow or cfg.log.wandb:

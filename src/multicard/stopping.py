@@ -30,6 +30,7 @@ from typing import Any
 from multicard.errors import ExitCode, Stopped
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+HANDLED_SIGNALS = (*STOP_SIGNALS, signal.SIGQUIT)  # every signal a GracefulStop handles
 POLL_EVERY = 8  # optimizer steps between agreements on a pending stop
 
 
@@ -109,7 +110,7 @@ class GracefulStop:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
-        for sig in (*STOP_SIGNALS, signal.SIGQUIT):
+        for sig in HANDLED_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
             hand_over(self._previous[sig])
         return self

@@ -12,6 +12,7 @@ import json
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from rich.progress import (
 
 from multicard.atomic import probe_write, write_text_atomic
 from multicard.config import DataConfig
+from multicard.data.transforms import is_small
 from multicard.errors import UserError
 from multicard.loop import Callback, Loop, StepEnd
 from multicard.meters import EvalResult
@@ -61,6 +63,23 @@ class Reporter:
         self._last_refresh = 0.0
         self._metrics = None
         self._metrics_path = Path()
+        self._due: tuple[Path, int | None, dict[Path, str]] | None = None  # run files not written yet
+
+    def run_files(self, metrics: Path, resumed_at: int | None, texts: dict[Path, str]) -> None:
+        """metrics.jsonl (`open_metrics`) and the files `texts` (config.yaml), written once the run
+        has trained a step (`write_run_files`): a run refused before then (a tracker that cannot be
+        reached, a bad item in the first batch) leaves its out_dir as it found it."""
+        if self.is_main:
+            self._due = (metrics, resumed_at, texts)
+
+    def write_run_files(self) -> None:
+        """Write the files `run_files` holds back, once (called after each step, and before a record)."""
+        if self._due is not None:
+            metrics, resumed_at, texts = self._due
+            self._due = None
+            self.open_metrics(metrics, resumed_at)
+            for path, text in texts.items():
+                self.write_text(path, text)
 
     def open_metrics(self, path: Path, resumed_at: int | None) -> None:
         """Start metrics.jsonl, or continue it from step `resumed_at` of a resumed run: records of
@@ -87,6 +106,7 @@ class Reporter:
 
     def record(self, kind: str, **fields: Any) -> None:
         """Append one JSON object to metrics.jsonl."""
+        self.write_run_files()
         if self._metrics is not None:
             try:
                 self._metrics.write(json.dumps({"kind": kind, **fields}) + "\n")
@@ -198,12 +218,14 @@ class Stragglers:
 
 class DataBound:
     """Says once when waiting for data takes more than SHARE of the step on some rank, over WINDOW
-    step records: the input pipeline, not the model, sets the pace."""
+    step records: the input pipeline, not the model, sets the pace. The advice fits the loader
+    that runs: `loader` is device (batches made in the training process), workers, or user (a
+    user's loop, multicard.Run's run.loader)."""
 
     SHARE, WINDOW = 0.10, 3
 
-    def __init__(self, data: DataConfig) -> None:
-        self.data = data
+    def __init__(self, data: DataConfig, loader: str) -> None:
+        self.data, self.loader = data, loader
         self.window: deque[tuple[float, int]] = deque(maxlen=self.WINDOW)  # (worst share, its rank)
         self.said = False
 
@@ -216,12 +238,26 @@ class DataBound:
             return None
         self.said = True
         share = statistics.mean(share for share, _ in self.window)
-        d = self.data
         return (
             f"the input pipeline holds training back: waiting for data takes {share:.0%} of each step "
-            f"(rank {worst}, up to step {record['step']}); try more loader processes (data.num_workers, now "
-            f"{d.num_workers}), data.decode=gpu for JPEGs on CUDA, or data.loader=device for images of up to 64 px; "
-            f"multicard input-split shows where the input time goes"
+            f"(rank {worst}, up to step {record['step']}); {self.advice()}"
+        )
+
+    def advice(self) -> str:
+        d = self.data
+        if self.loader == "user":
+            return "give run.loader more loader processes (num_workers=N), or make the dataset's items cheaper"
+        if self.loader == "device":
+            one_by_one = d.policy != "none" or d.color_jitter > 0 or d.random_erasing > 0
+            each = " (data.policy, data.color_jitter and data.random_erasing one image at a time)" if one_by_one else ""
+            return (
+                f"data.loader=device makes the batches in the training process{each}: data.loader=workers makes "
+                f"them in loader processes, beside training; multicard input-split shows where the input time goes"
+            )
+        device = ", or data.loader=device for images of up to 64 px" if is_small(d.image_size) else ""
+        return (
+            f"try more loader processes (data.num_workers, now {d.num_workers}), data.decode=gpu for JPEGs on "
+            f"CUDA{device}; multicard input-split shows where the input time goes"
         )
 
 
@@ -232,13 +268,13 @@ class TrainingLog(Callback):
     ESTIMATE_AFTER_S = 10.0  # time the first steps this long (or ESTIMATE_AFTER_STEPS) before estimating
     ESTIMATE_AFTER_STEPS = 20
 
-    def __init__(self, reporter: Reporter, data: DataConfig) -> None:
+    def __init__(self, reporter: Reporter, data: DataConfig, loader: str) -> None:
         self.reporter = reporter
         self.status = ""
         self._first: tuple[int, float] | None = None  # (step, time) after the first step, which warms up
         self._estimated = False
         self.stragglers = Stragglers()
-        self.data_bound = DataBound(data)
+        self.data_bound = DataBound(data, loader)
 
     def on_fit_start(self, loop: Loop) -> None:
         self.reporter.start_progress(loop.schedule.total_steps, done=loop.position.global_step)
@@ -280,6 +316,7 @@ class TrainingLog(Callback):
             self.reporter.print(f"step {record['step']}: fp16 scaler skipped {skipped} NaN/inf micro-step(s)")
 
     def on_step_end(self, loop: Loop, step: StepEnd) -> None:
+        self.reporter.write_run_files()  # the run has trained a step: its files are due
         self.reporter.advance(step.epoch, self.status)
         if not self._estimated:
             self._estimate(loop, step.global_step)
@@ -288,7 +325,8 @@ class TrainingLog(Callback):
         self.reporter.record("epoch", **record)
         if "train_loss" not in record:  # a user's loop (multicard.Run): the values it logged
             values = "".join(f"{name} {value:.4g} | " for name, value in logged(record).items())
-            self.reporter.print(f"epoch {record['epoch']}: {values}{record['img_per_s']:.0f} img/s, {record['epoch_s']:.1f} s")
+            rate = f"{record['img_per_s']:.0f} img/s, {record['epoch_s']:.1f} s"
+            self.reporter.print(f"epoch {record['epoch']}: {values}{rate}")
             return
         line = f"epoch {record['epoch']}: train loss {record['train_loss']:.4f} top-1 {record['train_top1']:.2f}%"
         if val is not None:
@@ -305,19 +343,29 @@ class TensorBoardLog(Callback):
     """Scalars for TensorBoard in `folder`, written by rank 0: train loss/top-1, lr, img/s, the
     step-time split and each rank's step time at log steps; validation and peak memory at epoch
     ends. A resumed run purges what a crashed one wrote after its checkpoint, so each curve
-    continues without duplicate steps."""
+    continues without duplicate steps. The event file is made with the first scalars: a run
+    refused before its first step leaves none."""
+
+    _open: Callable[[], Any] | None = None  # makes the writer, until it is made
 
     def __init__(self, folder: Path, is_main: bool, resumed_at: int | None) -> None:
         self.writer = None
         if not is_main:
             return
         summary_writer = tensorboard_writer()
-        try:
-            self.writer = summary_writer(str(folder), purge_step=resumed_at + 1 if resumed_at is not None else None)
-        except OSError as exc:  # checked before training (check_tensorboard_folder); changed since
-            raise _tensorboard_unwritable(folder, exc) from None
+        purge_step = resumed_at + 1 if resumed_at is not None else None
+
+        def open_writer() -> Any:
+            try:
+                return summary_writer(str(folder), purge_step=purge_step)
+            except OSError as exc:  # checked before training (check_tensorboard_folder); changed since
+                raise _tensorboard_unwritable(folder, exc) from None
+
+        self._open = open_writer
 
     def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self.writer is None and self._open is not None:
+            self.writer, self._open = self._open(), None
         if self.writer is not None:
             for tag, value in values.items():
                 if value is not None:

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from multicard.atomic import write_text_atomic
 from multicard.config import Config, LogConfig, to_dict
 from multicard.errors import Stopped, UserError
-from multicard.loop import Loop
+from multicard.loop import Loop, StepEnd
 from multicard.meters import EvalResult
 from multicard.run_records import run_figure
 from multicard.telemetry import TensorBoardLog
@@ -275,13 +275,13 @@ class TrackerLog(TensorBoardLog):
         self.out_dir = out_dir
         self.last_val: EvalResult | None = None
         self.trackers: Trackers | None = None
+        self.config_sent = False  # config.yaml is uploaded once written, after the first step (Reporter.run_files)
         if not is_main:
             return
         self.trackers = Trackers(cfg.log, out_dir, resumed=resumed_at is not None)
         self.writer = TrackerWriter(self.trackers)
         config = to_dict(cfg)
         self.trackers.each("log the config", lambda run: run.params(config), only=lambda run: run.created)
-        self._file(out_dir / "config.yaml", "upload config.yaml")
 
     def _send(self, kind: str, step: int, write: Callable[[], None]) -> None:
         """Write a record's scalars to the trackers it has not reached yet (a run that crashed after
@@ -297,6 +297,11 @@ class TrackerLog(TensorBoardLog):
 
     def on_log(self, loop: Loop, record: dict[str, Any]) -> None:
         self._send("step", record["step"], lambda: super(TrackerLog, self).on_log(loop, record))
+
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
+        if self.trackers is not None and not self.config_sent:  # after TrainingLog's on_step_end, which writes it
+            self.config_sent = True
+            self._file(self.out_dir / "config.yaml", "upload config.yaml")
 
     def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
         if val is not None:

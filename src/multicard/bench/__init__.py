@@ -22,6 +22,7 @@ from multicard.bench.cells import COMM_STEPS, MULTI_PROCESS, Variant, choose_cel
 from multicard.bench.report import plot, print_table, write_json
 from multicard.bench.runner import Timing, cell_config, make_rows, run_matrix
 from multicard.config import load_config
+from multicard.data import read_splits
 from multicard.errors import UserError
 from multicard.process_group import cpu_cores, cuda_count
 from multicard.topology import resolve
@@ -81,6 +82,8 @@ def bench(options: BenchOptions, console: Console | None = None) -> list[dict[st
     needed = base.train.global_batch_size * (options.warmup + options.steps + COMM_STEPS + 1)
     if base.data.name == "synthetic":  # generate the images the timed steps read, no more
         base = load_config(options.config, [*options.overrides, f"data.train_size={needed}"], defaults=workload)
+    if base.data.name != "synthetic":  # every cell reads it: a bad data.root is one line now, not a failed row per cell
+        read_splits(base.data, base.seed)
     gpus, cores = cuda_count(), cpu_cores()
     matrix = choose_cells(
         options.runners, options.strategies, options.world_sizes, options.precisions, options.variants, gpus, cores

@@ -79,9 +79,8 @@ def run_logs_of(s: Session, stack: contextlib.ExitStack) -> list[Callback]:
     out_dir.mkdir(parents=True, exist_ok=True)
     reporter = Reporter(s.ctx.is_main)
     stack.callback(reporter.close)
-    reporter.open_metrics(out_dir / "metrics.jsonl", resumed_at=None)
-    reporter.write_text(out_dir / "config.yaml", to_yaml(s.cfg))
-    return run_logs(s.cfg, out_dir, reporter, s.ctx.is_main, resumed_at=None)
+    reporter.run_files(out_dir / "metrics.jsonl", None, {out_dir / "config.yaml": to_yaml(s.cfg)})
+    return run_logs(s.cfg, out_dir, reporter, s.ctx.is_main, None, s.data.loader)
 
 
 def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int, logging: bool) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from multicard.data.jpeg_crop import JpegTransform, collate_encoded
 from multicard.data.loaders import EvalLoader, TrainLoader
 from multicard.data.policies import sample_policy
 from multicard.data.progressive import ProgressiveSize, progressive_size
+from multicard.data.ranks import check_same_across_ranks
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler
 from multicard.data.shards import order_of, shard_splits
 from multicard.data.sources import (
@@ -183,6 +184,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     """
     check_decode(d.decode, ctx.device.type == "cuda")  # before reading anything
     splits = read_splits(d, seed, need_train=batch_split is not None)
+    check_same_across_ranks(splits, ctx)  # before anything waits on a peer with other data
     kind = choose_loader(d, splits, ctx.device, ctx.local_world_size)
     small = is_small(d.image_size)
     augment = Augment(d.crop_padding, flip=True) if d.augment and small else None

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from multicard.config import DataConfig
 from multicard.data.sources import Splits
 from multicard.data.user import user_splits
@@ -69,16 +71,17 @@ def load(root: Path) -> dict[str, Any]:
 
 
 class HFItems:
-    """A Hugging Face split as (image, label) items; images as their encoded bytes where stored so."""
+    """A Hugging Face split as (image, label) items; images as their encoded bytes where stored so.
+    `labels`: the label column, read once (checks and the ranks' fingerprint need no image)."""
 
-    def __init__(self, dataset: Any, image: str, label: str) -> None:
+    def __init__(self, dataset: Any, image: str, label: str, labels: np.ndarray) -> None:
         datasets = import_datasets()
         dataset = dataset.select_columns([image, label])
         if isinstance(dataset.features[image], datasets.Image):
             dataset = dataset.cast_column(image, datasets.Image(decode=False))  # {"bytes", "path"}: undecoded
         else:
             dataset = dataset.with_format("numpy")  # arrays of pixels
-        self.dataset, self.image, self.label = dataset, image, label
+        self.dataset, self.image, self.label, self.labels = dataset, image, label, labels
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -101,19 +104,38 @@ def _check_columns(d: DataConfig, split: str, dataset: Any) -> None:
             )
 
 
-def class_names(d: DataConfig, split: str, dataset: Any) -> list[str]:
-    """The label column's ClassLabel names; plain integers 0..max are named by their value."""
+def label_column(d: DataConfig, split: str, dataset: Any) -> np.ndarray:
+    """The split's labels as int64 (that column alone is read), or a one-line error unless they are
+    integers: a ClassLabel feature or a plain integer Value."""
     datasets = import_datasets()
     feature = dataset.features[d.hf_label]
-    if isinstance(feature, datasets.ClassLabel):
+    plain = isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint"))
+    if not (isinstance(feature, datasets.ClassLabel) or plain):
+        raise UserError(
+            f"data.hf_label={d.hf_label}: split {split} of data.root={d.root} holds {feature}, not integer labels; "
+            f"encode it first (dataset.class_encode_column('{d.hf_label}')) or name another column"
+        )
+    column = dataset.select_columns([d.hf_label]).with_format("numpy")[:][d.hf_label]
+    return np.asarray(column, dtype=np.int64)
+
+
+def class_names(d: DataConfig, dataset: Any, plain_count: int) -> list[str]:
+    """The label column's ClassLabel names; plain integers are named by their value, 0..plain_count-1."""
+    feature = dataset.features[d.hf_label]
+    if isinstance(feature, import_datasets().ClassLabel):
         return list(feature.names)
-    if isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint")):
-        labels = dataset.with_format("numpy")[d.hf_label]
-        return [str(i) for i in range(int(labels.max()) + 1)] if len(labels) else []
-    raise UserError(
-        f"data.hf_label={d.hf_label}: split {split} of data.root={d.root} holds {feature}, not integer labels; "
-        f"encode it first (dataset.class_encode_column('{d.hf_label}')) or name another column"
-    )
+    return [str(i) for i in range(plain_count)]
+
+
+def check_labels(d: DataConfig, split: str, labels: np.ndarray, classes: list[str]) -> None:
+    """Every label names a class: said at start-up, not when a loader first reads the row."""
+    if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
+        bad = labels.min() if labels.min() < 0 else labels.max()
+        raise UserError(
+            f"data.hf_label={d.hf_label}: split {split} of data.root={d.root} holds label {bad}, outside "
+            f"0..{len(classes) - 1} ({len(classes)} classes); fix or drop those rows (a ClassLabel's -1 marks a "
+            f"missing label)"
+        )
 
 
 def hf_splits(d: DataConfig) -> Splits:
@@ -125,10 +147,16 @@ def hf_splits(d: DataConfig) -> Splits:
     if d.hf_val_split is not None and d.hf_val_split not in splits:
         raise UserError(f"data.hf_val_split={d.hf_val_split}: data.root={root} has no such split (it has {names})")
     val_name = d.hf_val_split or next((s for s in VAL_SPLITS if s in splits), None)
+    used = [d.hf_train_split, *([val_name] if val_name is not None else [])]
+    for split in used:
+        _check_columns(d, split, splits[split])
+    labels = {split: label_column(d, split, splits[split]) for split in used}
+    plain_count = max((int(v.max()) + 1 for v in labels.values() if len(v)), default=0)  # plain labels: 0..the largest
 
     def items(split: str) -> tuple[HFItems, list[str]]:
-        _check_columns(d, split, splits[split])
-        return HFItems(splits[split], d.hf_image, d.hf_label), class_names(d, split, splits[split])
+        classes = class_names(d, splits[split], plain_count)
+        check_labels(d, split, labels[split], classes)
+        return HFItems(splits[split], d.hf_image, d.hf_label, labels[split]), classes
 
     train, classes = items(d.hf_train_split)
     val = items(val_name) if val_name is not None else None

@@ -30,6 +30,7 @@ from multicard.data.encoded import PIL_ERRORS, EncodedImage, to_rgb
 from multicard.data.sources import InMemory, Items, Splits, seeded_split
 from multicard.data.transforms import Picture
 from multicard.errors import MulticardError, UserError
+from multicard.user_code import user_code
 
 SPLITS = ("train", "val")
 ITEM_FORMS = "an (image, label) pair, the image as encoded bytes, a PIL image or a uint8 array/tensor (HWC or CHW)"
@@ -44,7 +45,8 @@ def import_function(spec: str) -> Callable[..., Any]:
     """`package.module:function` → the function, or a one-line error (models.py's conventions)."""
     module_name, _, func_name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with user_code(f"data.name={spec}"):
+            module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or the module failing as it runs
         raise UserError(f"data.name={spec}: cannot import module {module_name} ({_first_line(exc)})") from None
     function = getattr(module, func_name, None)
@@ -56,7 +58,8 @@ def import_function(spec: str) -> Callable[..., Any]:
 def _call(spec: str, function: Callable[..., Any], split: str, kwargs: dict[str, Any]) -> tuple[Any, list[str]] | None:
     """(dataset, class names) for one split, or None (no such split)."""
     try:
-        result = function(split, **kwargs)
+        with user_code(f"data.name={spec}"):
+            result = function(split, **kwargs)
     except MulticardError:  # ours, e.g. a stop signal during a slow read: not the function's fault
         raise
     except Exception as exc:

@@ -108,7 +108,8 @@ class Training:
         line = start_line(rt.strategy, cfg.precision, rt.split, f"script={rt.script}")
         announce_start(rt.reporter, rt.out_dir, saved_config(cfg), line, loop, resumed, [])
         resumed_at = resumed[1] if resumed is not None else None
-        loop.hooks = Hooks([self.checkpointer, *run_logs(cfg, rt.out_dir, rt.reporter, rt.ctx.is_main, resumed_at)])
+        logs = run_logs(cfg, rt.out_dir, rt.reporter, rt.ctx.is_main, resumed_at, "user")
+        loop.hooks = Hooks([self.checkpointer, *logs])
         loop.hooks.on_fit_start(loop)
 
     def _epochs(self) -> Iterator[int]:

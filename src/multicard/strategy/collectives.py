@@ -35,9 +35,7 @@ class DistributedStrategy(Strategy):
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return self.ctx.all_gather_object(obj)
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]

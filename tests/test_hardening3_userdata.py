@@ -1,0 +1,304 @@
+"""Hardening round 3 (issue 37): users' own datasets, refused runs, stops and notes — cases 7, 8,
+9, 10, 11, 15, 16 and 23. Each test is named after its case; real processes only where the
+process is what is checked (a hang across ranks, a process that must end)."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import re
+import signal
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import cli, final_params, run_here
+from multicard.cli import main
+from multicard.config import load_config
+from multicard.data import build_data, read_splits
+from multicard.data.ranks import check_same_across_ranks, summary
+from multicard.data.sampling import BatchSplit
+from multicard.data.sources import Files, InMemory, Splits
+from multicard.data.user import read_item
+from multicard.errors import UserError
+from multicard.process_group import EXIT_GRACE_S, ProcessContext, ProcessEnv
+from multicard.session import open_session
+from multicard.telemetry import DataBound, Reporter, TrainingLog
+from multicard.tracking import TRACKERS, MlflowRun
+from test_hardening_resume import one_line
+
+# Two steps of 16 on 32 pictures of 8 px, 16 to validate.
+RUN = ["model.name=smallcnn", "data.image_size=8", "data.crop_padding=1", "train.epochs=1",
+       "train.global_batch_size=16", "log_every=1"]  # fmt: skip
+
+# Dataset functions for the cases, in module mc37_data; the modules beside it change the process
+# when imported, then offer the same data.
+MODULES = {
+    "mc37_data": '''
+        import os
+        import threading
+
+        import numpy as np
+
+
+        class Squares:
+            def __init__(self, n, label=None):
+                self.n, self.label = n, label
+
+            def __len__(self):
+                return self.n
+
+            def __getitem__(self, i):
+                label = i % 2 if self.label is None else self.label
+                return np.full((8, 8, 3), 60 * (i % 2) + i % 50, np.uint8), label
+
+
+        def squares(split):
+            return Squares(32 if split == "train" else 16), ["even", "odd"]
+
+
+        def bad_labels(split):
+            return Squares(32, label=7), ["even", "odd"]
+
+
+        def by_rank(split):  # rank 1 reads 32 more: 6 steps against rank 0's 4
+            extra = 32 * int(os.environ.get("RANK", "0")) if split == "train" else 0
+            return Squares(64 + extra if split == "train" else 16), ["even", "odd"]
+
+
+        def leaves_a_thread(split):
+            if split == "train":
+                threading.Thread(target=threading.Event().wait, name="prefetcher").start()  # never ends
+            return squares(split)
+    ''',
+    "mc37_float64": '''
+        import torch
+
+        torch.set_default_dtype(torch.float64)
+        from mc37_data import squares
+    ''',
+    "mc37_sigign": '''
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        from mc37_data import squares
+    ''',
+}
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory) -> Path:
+    """The folder of the dataset modules, on this process's sys.path while the module's tests run."""
+    folder = tmp_path_factory.mktemp("modules")
+    for name, code in MODULES.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(code))
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+@pytest.fixture
+def default_dtype():
+    """torch's default dtype is float32 again after the test, whatever the code it ran did."""
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+# ------------------------------------------------------------------ 7: a refused run writes nothing
+
+
+def test_37_7_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
+    modules, tmp_path, capsys, monkeypatch
+):  # fmt: skip
+    # A bad item in the first batch (a loader in this process reads it during the first step).
+    fresh = tmp_path / "fresh"
+    bad = ["data.name=mc37_data:bad_labels", "data.loader=workers", "data.num_workers=0", "log.tensorboard=true"]
+    assert main(["train", *RUN, *bad, f"out_dir={fresh}"]) == 2
+    assert re.search(r"bad_labels \(train\) item \d+ has label 7, outside 0..1", one_line(capsys.readouterr().err))
+    assert not fresh.exists()  # no config.yaml, metrics.jsonl, tensorboard/ or .multicard.lock
+    # A tracker that cannot be reached, with log.on_tracker_error=fail, continuing a run: its files stay as they were.
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("pip install 'multicard[mlflow]'")
+    run = tmp_path / "run"
+    run_here("train", *RUN, "data.name=mc37_data:squares", "train.max_steps=1", f"out_dir={run}")
+    before = {path.name: path.read_bytes() for path in run.iterdir() if path.is_file()}
+
+    class Unreachable(MlflowRun):  # as a server that is down answers (without importing mlflow: seconds)
+        def __init__(self, *args: object) -> None:
+            raise ConnectionError("connection refused")
+
+    monkeypatch.setitem(TRACKERS, "mlflow", Unreachable)
+    more = ["log.mlflow=true", "log.on_tracker_error=fail", "train.max_steps=2"]
+    assert main(["train", *RUN, "data.name=mc37_data:squares", *more, f"out_dir={run}"]) == 2
+    assert "MLflow failed to start a run (connection refused)" in one_line(capsys.readouterr().err)
+    assert {path.name: path.read_bytes() for path in run.iterdir() if path.is_file()} == before
+
+
+# ------------------------------------------------------------------ 8: ranks that read other data
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_37_8_datasets_that_differ_by_rank_are_named_at_start_up(modules, tmp_path):
+    """Before: rank 1's two extra steps waited for rank 0 until dist_timeout_s, blaming "a rank is stuck"."""
+    result = cli(
+        "train", "--nproc-per-node", "2", *RUN, "data.name=mc37_data:by_rank", "dist_timeout_s=10",
+        f"out_dir={tmp_path / 'out'}", env={"PYTHONPATH": str(modules)}, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert one_line(result.stderr) == (
+        "multicard: error (rank 0): the ranks read different data: rank 1 has 96 training samples, rank 0 64; every "
+        "rank must read the same dataset (the same data.root contents on every node, a dataset function that does "
+        "not depend on the rank)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+class TwoRanks:
+    """A process context's collective as rank 0 of two sees it, rank 1 holding `other`."""
+
+    def __init__(self, other: Splits) -> None:
+        self.other = other
+
+    def all_gather_object(self, mine: dict) -> list[dict]:
+        return [mine, summary(self.other)]
+
+
+def test_37_8_same_length_but_other_samples_or_classes_are_named(tmp_path):
+    labels = torch.tensor([0, 1, 0, 1])
+    val = InMemory(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), labels[:2])
+    files = Splits(Files(tmp_path, ["a.png", "b.png", "c.png", "d.png"], labels), val, ["x", "y"])
+    check_same_across_ranks(files, TwoRanks(files))  # the same: nothing said
+    renamed = Splits(Files(tmp_path, ["a.png", "b.png", "c.png", "e.png"], labels), files.val, files.classes)
+    with pytest.raises(UserError, match=r"rank 1's 4 training samples are not rank 0's \(other labels, files"):
+        check_same_across_ranks(files, TwoRanks(renamed))
+    relabelled = Splits(files.train, InMemory(files.val.images, labels[:2].flip(0)), files.classes)
+    with pytest.raises(UserError, match=r"rank 1's 2 validation samples are not rank 0's"):
+        check_same_across_ranks(files, TwoRanks(relabelled))
+    other_classes = Splits(files.train, files.val, ["x", "z"])
+    with pytest.raises(UserError, match=r"rank 1 has 2 classes, rank 0 2 \(they differ in y, z\)"):
+        check_same_across_ranks(files, TwoRanks(other_classes))
+
+
+# ------------------------------------------------------------------ 9: a thread that never ends
+
+
+@pytest.mark.slow
+def test_37_9_a_thread_a_dataset_function_leaves_running_does_not_keep_the_process_alive(modules, tmp_path):
+    """Before: the process printed its final accuracy, then waited for the thread forever."""
+    result = cli(
+        "train", *RUN, "data.name=mc37_data:leaves_a_thread", f"out_dir={tmp_path}",
+        env={"PYTHONPATH": str(modules)}, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "final validation accuracy" in result.stdout
+    assert one_line(result.stderr) == (
+        f"multicard: warning: thread(s) 'prefetcher' still running {EXIT_GRACE_S:g} s after the command ended "
+        f"(started by the dataset's or model's code, not multicard's); ending the process without them"
+    )
+
+
+# ------------------------------------------------------------------ 10, 15: modules that change the process
+
+
+def test_37_10_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(modules, tmp_path, capsys):
+    cfg = load_config(None, [*RUN, "data.name=mc37_sigign:squares", f"out_dir={tmp_path}"])
+    with open_session(cfg, ProcessEnv(source="none")) as s:
+        signal.raise_signal(signal.SIGTERM)  # ignored before: the run would have trained on
+        assert s.trainer.stop is not None and s.trainer.stop.signum == signal.SIGTERM
+    err = capsys.readouterr().err
+    assert one_line(err) == (
+        "multicard: warning: data.name=mc37_sigign:squares changed the handler of SIGTERM (multicard put back the "
+        "previous handlers: a stop signal still stops a training run with a checkpoint)"
+    )
+
+
+def test_37_15_a_dataset_module_that_sets_float64_as_default_trains_as_without_it(
+    modules, tmp_path, default_dtype, capsys
+):  # fmt: skip
+    """Before: a traceback (a float64 batch into float32 weights)."""
+    run_here("train", *RUN, "data.name=mc37_data:squares", f"out_dir={tmp_path / 'plain'}")
+    assert main(["train", *RUN, "data.name=mc37_float64:squares", f"out_dir={tmp_path / 'float64'}"]) == 0
+    assert torch.get_default_dtype() == torch.float32
+    assert one_line(capsys.readouterr().err) == (
+        "multicard: warning: data.name=mc37_float64:squares set torch's default dtype to torch.float64 (multicard put "
+        "back torch.float32: the run's precision comes from the config)"
+    )
+    reference, changed = final_params(tmp_path / "plain"), final_params(tmp_path / "float64")
+    assert all(torch.equal(changed[k], reference[k]) for k in reference)
+    assert changed["0.0.weight"].dtype == torch.float32  # precision=fp32, the config's
+
+
+# ------------------------------------------------------------------ 11: Hugging Face integer labels
+
+
+def test_37_11_hf_plain_integer_labels_are_classes_and_out_of_range_ones_one_line(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+
+    def saved(name: str, **splits: list[int]) -> list[str]:
+        parts = {
+            split: datasets.Dataset.from_dict({"image": [{"bytes": png.getvalue(), "path": None}] * len(labels),
+                                               "label": labels}, features=features)
+            for split, labels in splits.items()
+        }  # fmt: skip
+        datasets.DatasetDict(parts).save_to_disk(str(tmp_path / name))
+        return ["data.name=hf", f"data.root={tmp_path / name}"]
+
+    # validation lacks the largest label: both splits still have classes 0..2
+    splits = read_splits(load_config(None, saved("plain", train=[0, 2, 1, 2], validation=[1, 0])).data, 0)
+    assert splits.classes == ["0", "1", "2"] and (len(splits.train), len(splits.val)) == (4, 2)
+    assert [int(read_item(splits.train, i)[1]) for i in range(4)] == [0, 2, 1, 2]
+    negative = load_config(None, saved("negative", train=[0, 1, -1, 1])).data
+    with pytest.raises(UserError, match=r"data.hf_label=label: split train of .* holds label -1, outside 0..1 "):
+        read_splits(negative, 0)
+
+
+# ------------------------------------------------------------------ 16: bench checks its data first
+
+
+def test_37_16_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")  # a training run's folder, not a pack
+    out = tmp_path / "bench"
+    args = ["--runners", "multicard", "--strategies", "single", "--world-sizes", "1", "--out", str(out)]
+    assert main(["bench", "data.name=shards", f"data.root={tmp_path / 'run'}", *args]) == 2
+    run = tmp_path / "run"
+    assert one_line(capsys.readouterr().err) == (
+        f"multicard: error: data.root={run} has no index.json; make it with multicard pack --out {run}"
+    )
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------ 23: the data-bound note
+
+
+def test_37_23_the_data_bound_note_fits_the_loader_that_runs(capsys):
+    """The note a training log gives when each step waits half its time for data, with either loader."""
+
+    def note(*overrides: str) -> str:
+        cfg = load_config(None, ["data.train_size=32", "data.val_size=16", "data.num_workers=0", *overrides])
+        data = build_data(cfg.data, 0, BatchSplit(16, 1, 1), ProcessContext(0, 0, 1, 1, torch.device("cpu"), False))
+        log = TrainingLog(Reporter(is_main=True), cfg.data, data.loader)
+        trainer = SimpleNamespace(schedule=SimpleNamespace(log_every=1))
+        for step in range(2, 2 + DataBound.WINDOW):
+            ranks = [{"step_ms": 10.0, "data_ms": 5.0, "busy_ms": 5.0}]
+            log.on_log(trainer, {"step": step, "loss": 1.0, "ranks": ranks})
+        data.close()
+        return " ".join(capsys.readouterr().out.split())  # one line, whatever the console's width
+
+    on_device = note("data.loader=device", "data.image_size=32")
+    assert "data.loader=device makes the batches in the training process: data.loader=workers" in on_device
+    assert "makes them in loader processes, beside training" in on_device and "data.num_workers" not in on_device
+    small = note("data.loader=workers", "data.image_size=32")
+    assert "more loader processes (data.num_workers, now 0)" in small and "or data.loader=device for" in small
+    assert "data.loader=device" not in note("data.loader=workers", "data.image_size=72")  # it keeps up to 64 px
+    per_sample = DataBound(load_config(None, ["data.policy=trivialaugment"]).data, "device").advice()
+    assert "in the training process (data.policy, data.color_jitter and data.random_erasing one image" in per_sample
