@@ -152,7 +152,7 @@ def test_37_8_datasets_that_differ_by_rank_are_named_at_start_up(modules, tmp_pa
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert one_line(result.stderr) == (
-        "multicard: error (rank 0): the ranks read different data: rank 1 has 96 training samples, rank 0 64; every "
+        "multicard: error: the ranks read different data: rank 1 has 96 training samples, rank 0 64; every "
         "rank must read the same dataset (the same data.root contents on every node, a dataset function that does "
         "not depend on the rank)"
     )

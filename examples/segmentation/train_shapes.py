@@ -112,5 +112,5 @@ for epoch in run.epochs(args.epochs):
         run.log(loss=loss)
     sums = run.evaluate(model, val_set, iou_sums)
     ious = [sums[f"inter_{c}"] / max(1.0, sums[f"union_{c}"]) for c in range(1, len(CLASSES))]
-    run.log(val_loss=sums.mean("loss"), val_miou=sum(ious) / len(ious))
+    run.log(val_loss=sums.mean("loss"), val_miou=sum(ious) / len(ious), val_samples=sums.samples)
     run.print(f"epoch {epoch}: IoU " + ", ".join(f"{n} {v:.3f}" for n, v in zip(CLASSES[1:], ious, strict=True)))

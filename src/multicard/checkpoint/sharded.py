@@ -251,7 +251,7 @@ def _unwritable(path: Path, tmp: Path, ctx: ProcessContext) -> Iterator[None]:
             f"cannot write {path} ({reason}); free space in {path.parent} or choose another out_dir "
             f"(earlier checkpoints are intact)"
         )
-        error.agreed = every_rank  # type: ignore[attr-defined]  # then rank 0 alone says it (cli.main)
+        error.every_rank = every_rank  # then rank 0 alone says it (exits.report_error)
         raise error from None
 
 

@@ -58,13 +58,15 @@ class KeyedSamples(Dataset):
         return self.transform(sample, sample_generator(self.seed, epoch, index))
 
 
-def move_to(batch: Any, device: torch.device) -> Any:
-    """Every tensor of a batch (tensors, tuples, lists, dicts of them) on `device`."""
+def move_to(batch: Any, device: torch.device, floats: torch.dtype = torch.float32) -> Any:
+    """Every tensor of a batch (tensors, tuples, lists, dicts of them) on `device`; floating ones in
+    `floats` where that is not float32 (a float64 run computes in float64 from its inputs on)."""
     if isinstance(batch, torch.Tensor):
-        return to_device(batch, device)
+        moved = to_device(batch, device)
+        return moved.to(floats) if floats != torch.float32 and moved.is_floating_point() else moved
     if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
+        return {k: move_to(v, device, floats) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        moved = [move_to(v, device) for v in batch]
+        moved = [move_to(v, device, floats) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
     return batch

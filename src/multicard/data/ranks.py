@@ -68,7 +68,7 @@ def check_same_across_ranks(splits: Splits, ctx: ProcessContext) -> None:
                 f"same dataset (the same data.root contents on every node, a dataset function that does not depend "
                 f"on the rank)"
             )
-            error.agreed = True  # type: ignore[attr-defined]  # every rank raises it: rank 0 says it (cli.main)
+            error.every_rank = True  # every rank raises it: rank 0 says it (exits.report_error)
             raise error
 
 

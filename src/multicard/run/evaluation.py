@@ -63,7 +63,7 @@ def evaluate_sums(
     samples = 0
     for batch, count in batches:
         with strategy.precision.autocast():
-            values = metric_fn(model, move_to(batch, device))
+            values = metric_fn(model, move_to(batch, device, strategy.precision.param_dtype))
         if not isinstance(values, dict):
             raise UserError(f"metric_fn returned {type(values).__name__}; return a dict such as {{'correct': ...}}")
         for name, value in values.items():

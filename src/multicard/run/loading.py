@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import torch
 from torch.utils.data import default_collate
 
 from multicard.data.keyed import KeyedSamples, Transform, move_to
@@ -31,6 +32,9 @@ class MicroSteps(Protocol):
 
     def enter(self, phase: str) -> None: ...
 
+    def settle(self) -> None:
+        """The user's code for the previous step has run (its checkpoint, an agreed stop)."""
+
 
 class Loader:
     """This rank's micro-batches of the run's current epoch, from `run.loader(dataset)`; iterate it
@@ -38,9 +42,9 @@ class Loader:
 
     def __init__(
         self, dataset: Any, transform: Transform | None, collate_fn: Callable | None, num_workers: int,
-        split: BatchSplit, ctx: ProcessContext, seed: int, steps: MicroSteps,
+        split: BatchSplit, ctx: ProcessContext, seed: int, steps: MicroSteps, floats: torch.dtype,
     ) -> None:  # fmt: skip
-        self.split, self.ctx, self.steps = split, ctx, steps
+        self.split, self.ctx, self.steps, self.floats = split, ctx, steps, floats
         self.sampler = ShardedBatchSampler(len(dataset), split, ctx.rank, seed)
         samples = KeyedSamples(dataset, transform, seed)
         collate = collate_fn or default_collate
@@ -70,12 +74,13 @@ class Loader:
         batches = iter(self.loader)
         try:
             for n in range(left):
+                self.steps.end_micro()
+                self.steps.settle()
                 self.steps.enter(DATA)
-                batch = move_to(next(batches), self.ctx.device)
+                batch = move_to(next(batches), self.ctx.device, self.floats)
                 self.steps.begin_micro(n % accum)
                 self.steps.enter(FORWARD)
                 yield batch
-                self.steps.end_micro()
         finally:
             self.steps.end_micro()
 

@@ -105,7 +105,7 @@ class Run:
         check_map_style(dataset, "run.loader")
         loader = Loader(
             dataset, transform, collate_fn, self.runtime.loader_processes(num_workers), self.runtime.split,
-            self.runtime.ctx, self.runtime.cfg.seed, self.training,
+            self.runtime.ctx, self.runtime.cfg.seed, self.training, self.runtime.strategy.precision.param_dtype,
         )  # fmt: skip
         self.runtime.check_same_on_every_rank(dataset, "run.loader")
         self.training.loaders.append(loader)

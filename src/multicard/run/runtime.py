@@ -63,13 +63,15 @@ class Runtime:
     def check_same_on_every_rank(self, dataset: Any, what: str) -> None:
         """Every rank sees the same number of samples: else their batches and steps would differ
         and the job would hang at the first collective one rank never reaches."""
-        sizes = self.strategy.all_gather_object(len(dataset))
-        if len(set(sizes)) > 1:
-            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-            raise UserError(
-                f"{what}: the dataset has a different length on each rank ({listed}); build the same dataset "
-                f"on every rank (read the same files; do not split it by rank: the run does)"
-            )
+        kinds = self.ctx.all_gather_object((len(dataset), type(dataset).__name__))
+        for rank, (size, kind) in enumerate(kinds):
+            if (size, kind) != kinds[0]:
+                error = UserError(
+                    f"{what}: the ranks were given different datasets (rank {rank}: {size} samples of {kind}, "
+                    f"rank 0: {kinds[0][0]} of {kinds[0][1]}); give every rank the same dataset (the run splits it)"
+                )
+                error.every_rank = True
+                raise error
 
     def abandon(self, exc: BaseException | None = None) -> None:
         """An error ends the process: release out_dir (as found, if the run never started), and

@@ -2,6 +2,9 @@
 the epochs with resume and epoch-end checkpoints, the micro-steps its loaders announce, the
 agreed stop, and the console, metrics and trackers the command line uses.
 
+A step ends where the user's code for it ends: at the next batch, backward or epoch end. Its
+checkpoint (every checkpoint_every steps, or at an agreed stop) is written then, so it holds
+what the code after run.step changed (run.state, random streams), as a resumed run needs it.
 A stop agreed on an epoch's last step waits for the epoch's end (the user's evaluation), then
 saves the epoch and stops, as `multicard train` does; any other stop saves the step and stops.
 """
@@ -49,6 +52,7 @@ class Training:
         self._micro_context = ExitStack()
         self._backwards = 0  # run.backward calls since the last optimizer step
         self._deferred: Stopped | None = None  # a stop agreed on an epoch's last step
+        self._step_end: StepEnd | None = None  # the last step, until the user's code for it has run
         self._scheduler_state: dict[str, Any] | None = None  # a resumed scheduler's, until it is given
         runtime.watch(self.loop)
         on_error(self._failed)
@@ -76,6 +80,16 @@ class Training:
 
     def enter(self, phase: str) -> None:
         self.loop.clock.enter(phase)
+
+    def settle(self) -> None:
+        """The user's code for the last step has run: tell the callbacks (its checkpoint, if one is
+        due), and stop there if the ranks agreed to (at an epoch's last step: after the epoch)."""
+        if self._step_end is None:
+            return
+        step, self._step_end = self._step_end, None
+        self.loop.hooks.on_step_end(self.loop, step)
+        if step.stop_signal:
+            self._stop(Stopped(step.stop_signal, step.global_step), defer=step.last_in_epoch)
 
     # ------------------------------------------------------------ epochs
 
@@ -128,6 +142,7 @@ class Training:
         """Record the epoch, keep the best, move to the next epoch, save; then a deferred stop."""
         loop, pos = self.loop, self.loop.position
         self.end_micro()
+        self.settle()
         record = self.logbook.epoch_record(self._lr())
         best = self.monitor.update(record, self.rt.reporter.print)
         cut = loop.finished and pos.step_in_epoch < loop.schedule.steps_per_epoch  # max_steps ended it early
@@ -152,6 +167,7 @@ class Training:
 
     def backward(self, loss: torch.Tensor) -> None:
         self._require_training("run.backward(loss)")
+        self.settle()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise UserError("run.backward(loss) takes the loss: one number that needs gradients (e.g. a mean)")
         self.logbook.watch_loss(loss)
@@ -179,9 +195,7 @@ class Training:
         ends = pos.step_in_epoch >= loop.schedule.steps_in_epoch(pos.epoch)
         if pos.global_step % loop.schedule.log_every == 0 or ends or signum:
             loop.hooks.on_log(loop, self.logbook.step_record(self._lr()))
-        loop.hooks.on_step_end(loop, StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, ends, times, signum))
-        if signum:
-            self._stop(Stopped(signum, pos.global_step), defer=ends)
+        self._step_end = StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, ends, times, signum)
         return True
 
     def _stop(self, stopped: Stopped, defer: bool) -> None:
@@ -206,6 +220,7 @@ class Training:
 
     def save(self) -> Any:
         self._require_training("run.save()")
+        self.settle()
         assert self.checkpointer is not None
         return self.checkpointer.save(self.loop)
 
@@ -216,6 +231,8 @@ class Training:
         if self.begun and not self.ended:
             self.ended = True
             self.end_micro()
+            if ending is None:
+                self.settle()
             self.loop.ending = ending
             self.loop.hooks.on_fit_end(self.loop)
 
