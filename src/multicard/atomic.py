@@ -23,16 +23,17 @@ def probe_write(folder: Path) -> None:
         pass
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+def write_atomic(path: Path, write: Callable[[IO[bytes]], Any], advice: str | None = None) -> None:
     """Call write(f) on a temporary file, then rename it to `path`.
 
-    A failed write (disk full, quota) removes its temporary file and says so in one line.
+    A failed write (disk full, quota) removes its temporary file and says so in one line, ending
+    with `advice` (default: a run's, whose out_dir holds its checkpoints).
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     except OSError as exc:
-        raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable out_dir") from None
+        raise UserError(f"cannot write {path} ({exc.strerror}); {advice or 'choose a writable out_dir'}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -42,10 +43,8 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
         reason = exc.strerror or str(exc).splitlines()[0]
-        raise UserError(
-            f"cannot write {path} ({reason}); free space in {path.parent} or choose another out_dir "
-            f"(earlier checkpoints are intact)"
-        ) from None
+        advice = advice or f"free space in {path.parent} or choose another out_dir (earlier checkpoints are intact)"
+        raise UserError(f"cannot write {path} ({reason}); {advice}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -56,8 +55,8 @@ def save_atomic(obj: Any, path: Path) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+def write_text_atomic(path: Path, text: str, advice: str | None = None) -> None:
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")), advice)
 
 
 def link_atomic(target: Path, name: Path) -> None:

@@ -24,6 +24,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "linear", "step", "constant")
 LR_SCALING = ("none", "linear", "sqrt")
 DATASETS = ("synthetic", "cifar10", "imagefolder", "shards", "hf")  # or package.module:function (multicard.data.user)
+READS_ROOT = ("cifar10", "imagefolder", "shards", "hf")  # the datasets data.root names
 LOADERS = ("auto", "device", "workers")
 DECODERS = ("cpu", "gpu", "auto")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -486,7 +487,7 @@ def check_data(d: DataConfig) -> None:
         raise UserError(f"data.name={d.name} is not one of {', '.join(DATASETS)}, or package.module:function")
     _choice(d.loader, "data.loader", LOADERS)
     _choice(d.decode, "data.decode", DECODERS)
-    if d.name in ("cifar10", "imagefolder", "shards", "hf") and not d.root:
+    if d.name in READS_ROOT and not d.root:
         raise UserError(f"data.name={d.name} reads files: set data.root=DIR")
     if not 0 < d.val_fraction < 1:
         raise UserError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")

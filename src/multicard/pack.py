@@ -34,21 +34,37 @@ import numpy as np
 import torch
 from PIL import Image
 
-from multicard.atomic import write_text_atomic
-from multicard.config import DataConfig
-from multicard.data.encoded import EncodedImage
-from multicard.data.shards import BLOCK, COLUMNS, FORMAT, HEADER, INDEX, VERSION, check_shards, padded, read_index
+from multicard.atomic import remove_temporaries, write_text_atomic
+from multicard.config import READS_ROOT, DataConfig
+from multicard.data import capped_to_cores
+from multicard.data.encoded import PIL_ERRORS, EncodedImage, opened
+from multicard.data.shards import (
+    BLOCK,
+    COLUMNS,
+    FORMAT,
+    HEADER,
+    INDEX,
+    PARTIAL,
+    VERSION,
+    Index,
+    check_shards,
+    check_splits,
+    padded,
+    read_index,
+)
 from multicard.data.sources import Files, Items, Source, Splits
 from multicard.data.user import read_item
 from multicard.errors import UserError
+from multicard.process_group import cpu_cores, die_with_parent
 from multicard.version import __version__
 
-PARTIAL = ".partial"  # chunks and the plan of an unfinished pack
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
 EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
 COPY_BYTES = 8 << 20
 STORED_ORDER_SEED = 0
 RECORDS = ("length", "label", "width", "height", *HEADER)  # what reading a chunk's samples tells, per sample
+# What a failed write of a pack (disk full, quota) advises: what was finished is kept, the rest removed.
+RERUN = "free space or choose another --out, then run the same command: it continues from the chunks already packed"
 
 
 # ---------------------------------------------------------------- what one sample becomes
@@ -74,6 +90,11 @@ def block_size(length: int) -> int:
     return BLOCK + padded(length) + 2 * BLOCK
 
 
+def extension(format: str) -> str:
+    """The image member's extension for Pillow's format name."""
+    return EXTENSIONS.get(format, (format or "img").lower())
+
+
 def _png(pixels: torch.Tensor) -> bytes:
     buffer = io.BytesIO()
     hwc = np.ascontiguousarray(pixels.numpy().transpose(1, 2, 0))  # numpy: no torch thread pool in a forked process
@@ -91,8 +112,7 @@ def read_sample(source: Source, i: int) -> tuple[bytes, str, int, int, int, str,
     else:
         image, label = source.images[i], int(source.labels[i])
     if isinstance(image, EncodedImage):
-        ext = EXTENSIONS.get(image.format or "", (image.format or "img").lower())
-        return image.data, ext, label, *image.size, image.format or "", image.mode
+        return image.data, extension(image.format or ""), label, *image.size, image.format or "", image.mode
     return _png(image), "png", label, image.shape[-1], image.shape[-2], "PNG", "RGB"
 
 
@@ -154,8 +174,11 @@ def fingerprint(splits: Splits) -> str:
 _SPLITS: Splits | None = None  # set before the processes fork: they inherit the sources
 
 
-def _ignore_sigint() -> None:
+def _worker_signals(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool (and says so in one line)
+    # A parent killed (SIGKILL) reads no more results: its workers end with it, quietly (SIGTERM),
+    # not with tracebacks of broken pipes when they send the next one.
+    die_with_parent(parent)
 
 
 def _records_path(partial: Path, chunk: Chunk) -> Path:
@@ -166,18 +189,29 @@ def pack_chunk(partial: Path, chunk: Chunk) -> int:
     """Chunk's samples as tar members in `<chunk>.part`, and their records in `<chunk>.json`
     (written last: a chunk counts as packed when it has one)."""
     source = getattr(_SPLITS, chunk.split)
-    records: dict[str, list] = {key: [] for key in RECORDS}
+    records: dict[str, list] = {key: [] for key in (*RECORDS, "sha256")}
     tmp = partial / f".{chunk.name}.part.tmp"
     order = stored_order(len(source))
-    with tmp.open("wb") as f:
-        for i in order[chunk.start : chunk.stop]:
-            data, ext, label, width, height, format, mode = read_sample(source, i)
-            f.write(sample_block(f"{i:08d}", data, ext, label))
-            for key, value in zip(RECORDS, (len(data), label, width, height, ext, format, mode), strict=True):
-                records[key].append(value)
-    os.replace(tmp, partial / f"{chunk.name}.part")
-    write_text_atomic(_records_path(partial, chunk), json.dumps(records))
+    try:
+        with tmp.open("wb") as f:
+            for i in order[chunk.start : chunk.stop]:
+                data, ext, label, width, height, format, mode = read_sample(source, i)  # its errors: one line
+                f.write(sample_block(f"{i:08d}", data, ext, label))
+                for key, value in zip(RECORDS, (len(data), label, width, height, ext, format, mode), strict=True):
+                    records[key].append(value)
+                records["sha256"].append(hashlib.sha256(data).hexdigest())
+        os.replace(tmp, partial / f"{chunk.name}.part")
+    except OSError as exc:
+        raise cannot_write(partial / f"{chunk.name}.part", exc) from None
+    finally:
+        tmp.unlink(missing_ok=True)  # only finished chunks stay
+    write_text_atomic(_records_path(partial, chunk), json.dumps(records), RERUN)
     return chunk.stop - chunk.start
+
+
+def cannot_write(path: Path, exc: OSError) -> UserError:
+    """A write of the pack failed (disk full, quota, read-only): as atomic.write_atomic says it."""
+    return UserError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {RERUN}")
 
 
 def write_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> tuple[str, int, str]:
@@ -185,23 +219,33 @@ def write_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int
     (name, bytes, sha256)."""
     h = hashlib.sha256()
     tmp = out / f".{name}.tmp"
-    with tmp.open("wb") as f:
-        for part, start, length in pieces:
-            with (partial / part).open("rb") as src:
-                src.seek(start)
-                while length:
-                    buffer = src.read(min(COPY_BYTES, length))
-                    h.update(buffer)
-                    f.write(buffer)
-                    length -= len(buffer)
-        end = bytes(2 * BLOCK)  # the end-of-archive marker
-        h.update(end)
-        f.write(end)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, out / name)
+    try:
+        with tmp.open("wb") as f:
+            for part, start, length in pieces:
+                _copy(partial / part, start, length, f, h)
+            end = bytes(2 * BLOCK)  # the end-of-archive marker
+            h.update(end)
+            f.write(end)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, out / name)
+    except OSError as exc:
+        raise cannot_write(out / name, exc) from None
+    finally:
+        tmp.unlink(missing_ok=True)  # only whole shards stay
     return name, size, h.hexdigest()
+
+
+def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
+    """`length` bytes of `part` from `start` into `f`, and into the hash `h`."""
+    with part.open("rb") as src:
+        src.seek(start)
+        while length:
+            buffer = src.read(min(COPY_BYTES, length))
+            h.update(buffer)
+            f.write(buffer)
+            length -= len(buffer)
 
 
 def _write_shard(args: tuple) -> tuple[str, int, str]:
@@ -316,8 +360,28 @@ def write_index(out: Path, classes: list[str], plan: dict, columns: dict[str, di
     }  # fmt: skip
     for split, cols in columns.items():
         index["splits"][split] = {"shards": [written[n] for n in cols.pop("names")], **cols}
-    write_text_atomic(out / INDEX, json.dumps(index))
+    index["digest"] = index_digest(index)
+    write_text_atomic(out / INDEX, json.dumps(index), RERUN)
     (out / INDEX).chmod(0o644)  # readable by everyone, as the shards are (mkstemp makes it private)
+
+
+def samples_digest(stored: list[str], n: int) -> str | None:
+    """A split's n samples as one checksum, whatever its shards: of each sample's sha256 (given in
+    stored order) in the split's order. None where they are not all known (chunks packed by an
+    earlier multicard)."""
+    if len(stored) != n:
+        return None
+    by_sample = [b""] * n
+    for position, sample in enumerate(stored_order(n)):
+        by_sample[sample] = bytes.fromhex(stored[position])
+    return hashlib.sha256(b"".join(by_sample)).hexdigest()
+
+
+def index_digest(index: dict[str, Any]) -> str:
+    """What the index says, as one checksum: pack --verify tells an index changed after packing
+    (class names, source) from the one pack wrote."""
+    stated = {key: value for key, value in index.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(stated, sort_keys=True).encode()).hexdigest()
 
 
 def _chunks_to_pack(
@@ -325,8 +389,11 @@ def _chunks_to_pack(
 ) -> tuple[Path, list[Any], list[Any]]:
     """The unfinished pack's folder (made, with the plan in it), every chunk, and those not packed yet."""
     partial = out / PARTIAL
-    partial.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(partial / "plan.json", json.dumps(plan))
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise cannot_write(partial, exc) from None
+    write_text_atomic(partial / "plan.json", json.dumps(plan), RERUN)
     chunks = plan_chunks(sizes)
     todo = [c for c in chunks if not _records_path(partial, c).is_file()]
     if continuing:
@@ -340,10 +407,8 @@ def _chunks_to_pack(
 
 def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=None) -> str:
     """Pack the splits into options.out; the one-line summary of what was done."""
-    from rich import progress
     from rich.console import Console
 
-    global _SPLITS
     console = progress_console or Console(stderr=True)
     out = options.out
     sizes = {"train": len(splits.train), "val": len(splits.val)}
@@ -356,27 +421,13 @@ def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=N
     if state == "done":
         return f"{out} already holds this pack ({sum(sizes.values())} samples); multicard pack --verify {out} checks it"
     partial, chunks, todo = _chunks_to_pack(out, plan, sizes, state == "continuing", console)
-    workers = options.workers or os.cpu_count() or 1
-    columns = [progress.TextColumn("{task.description}"), progress.BarColumn(), progress.MofNCompleteColumn(),
-               progress.TimeElapsedColumn(), progress.TextColumn("ETA"), progress.TimeRemainingColumn()]  # fmt: skip
-    _SPLITS = splits
-    context = multiprocessing.get_context("fork")  # the processes inherit the sources (no pickling)
+    # The same cap as data.num_workers: more processes than cores only compete for them.
+    workers = capped_to_cores(options.workers or cpu_cores(), f"--workers {options.workers}", 1, say=True)
     try:
-        pool = context.Pool(workers, initializer=_ignore_sigint)
-        with pool, progress.Progress(*columns, console=console) as bar:
-            done = sum(c.stop - c.start for c in chunks if c not in todo)
-            reading = bar.add_task("reading samples", total=sum(sizes.values()), completed=done)
-            for n in pool.imap_unordered(_pack_chunk, [(partial, c) for c in todo]):
-                bar.advance(reading, n)
-            records = {c.name: json.loads(_records_path(partial, c).read_text()) for c in chunks}
-            shards, index_columns = _shard_pieces(chunks, records, plan["shard_bytes"])
-            writing = bar.add_task("writing shards", total=len(shards))
-            written = {}
-            for name, size, digest in pool.imap_unordered(_write_shard, [(partial, out, n, p) for n, p in shards]):
-                written[name] = {"name": name, "bytes": size, "sha256": digest}
-                bar.advance(writing)
-    finally:
-        _SPLITS = None
+        index_columns, written = _pack_in_processes(splits, out, chunks, todo, plan, workers, console)
+    finally:  # a failed or stopped pack keeps its finished chunks and shards, and nothing half-written
+        remove_temporaries(out)
+        remove_temporaries(partial)
     write_index(out, splits.classes, plan, index_columns, written)
     shutil.rmtree(partial, ignore_errors=True)
     total = sum(s["bytes"] for s in written.values())
@@ -386,34 +437,90 @@ def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=N
     )
 
 
+def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: list[Chunk], plan: dict[str, Any],
+                       workers: int, console: Any) -> tuple[dict[str, dict], dict[str, dict]]:  # fmt: skip
+    """Pack the chunks still to do, then write the shards, in `workers` processes: (index columns, shards written)."""
+    from rich import progress
+
+    global _SPLITS
+    partial = out / PARTIAL
+    columns = [progress.TextColumn("{task.description}"), progress.BarColumn(), progress.MofNCompleteColumn(),
+               progress.TimeElapsedColumn(), progress.TextColumn("ETA"), progress.TimeRemainingColumn()]  # fmt: skip
+    _SPLITS = splits
+    context = multiprocessing.get_context("fork")  # the processes inherit the sources (no pickling)
+    try:
+        pool = context.Pool(workers, initializer=_worker_signals, initargs=(os.getpid(),))
+        # Transient: the bar goes when done; the one line that follows says what was done, or what failed.
+        with pool, progress.Progress(*columns, console=console, transient=True) as bar:  # leaving ends the processes
+            done = sum(c.stop - c.start for c in chunks if c not in todo)
+            reading = bar.add_task("reading samples", total=sum(plan["sizes"].values()), completed=done)
+            for n in pool.imap_unordered(_pack_chunk, [(partial, c) for c in todo]):
+                bar.advance(reading, n)
+            records = {c.name: json.loads(_records_path(partial, c).read_text()) for c in chunks}
+            shards, index_columns = _shard_pieces(chunks, records, plan["shard_bytes"])
+            for split, cols in index_columns.items():
+                stored = [h for c in chunks if c.split == split for h in records[c.name].get("sha256", [])]
+                cols["samples_sha256"] = samples_digest(stored, plan["sizes"][split])
+            writing = bar.add_task("writing shards", total=len(shards))
+            written = {}
+            for name, size, digest in pool.imap_unordered(_write_shard, [(partial, out, n, p) for n, p in shards]):
+                written[name] = {"name": name, "bytes": size, "sha256": digest}
+                bar.advance(writing)
+    finally:
+        _SPLITS = None
+    return index_columns, written
+
+
 # ---------------------------------------------------------------- verify
 
 
 def verify_pack(out: Path) -> str:
-    """Every shard whole (size, sha256) and its members where the index says, with the index's labels."""
-    index = read_index(out)
+    """Everything the index states: its entries (read_index: inside their shards, labels of its
+    classes), both splits with the counts the pack planned, every shard whole (size, sha256), its
+    members where the index says with the index's labels, each image's size, format and mode as
+    the index gives them, the checksum of each split's samples, and the index as pack wrote it
+    (its digest: class names, source)."""
+    index = read_index(out, f"--verify {out}")
     raw = json.loads(index.path.read_text())
-    samples = 0
-    for split_name, split in index.splits.items():
-        check_shards(split)
-        cols = split.columns
-        for number, path in enumerate(split.shards):
-            expected = raw["splits"][split_name]["shards"][number]["sha256"]
-            h = hashlib.sha256()
-            with path.open("rb") as f:
-                while buffer := f.read(COPY_BYTES):
-                    h.update(buffer)
-            if h.hexdigest() != expected:
-                raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
-            mine = np.flatnonzero(cols["shard"] == number)
-            mine = mine[np.argsort(cols["offset"][mine])]  # in the order they are stored
-            _check_members(path, mine, cols, split.header["ext"])
-            samples += len(mine)
+    check_splits(index)
+    samples = sum(_verify_split(index, raw, name) for name in index.splits)
+    if "digest" in raw and raw["digest"] != index_digest(raw):  # packs of before the digest have none
+        raise UserError(f"index {index.path} was changed after packing (its class names or source differ); pack again")
     shards = sum(len(s.shards) for s in index.splits.values())
-    return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels)"
+    return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels, images)"
 
 
-def _check_members(path: Path, mine: np.ndarray, cols: dict[str, np.ndarray], ext: list[str]) -> None:
+def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
+    """verify_pack's checks of one split; its number of samples."""
+    split = index.splits[name]
+    planned = raw.get("plan", {}).get("sizes", {}).get(name, len(split))
+    if planned != len(split):
+        raise UserError(f"index {index.path} lists {len(split)} {name} samples, its pack {planned}; pack again")
+    check_shards(split)
+    hashes = [b""] * len(split)  # each sample's sha256, filled by the members' check
+    for number, path in enumerate(split.shards):
+        _check_checksum(path, raw["splits"][name]["shards"][number]["sha256"])
+        mine = np.flatnonzero(split.columns["shard"] == number)
+        mine = mine[np.argsort(split.columns["offset"][mine])]  # in the order they are stored
+        _check_members(index, name, path, mine, hashes)
+    if split.samples_sha256 is not None and hashlib.sha256(b"".join(hashes)).hexdigest() != split.samples_sha256:
+        raise UserError(f"index {index.path}: the checksum of the {name} samples differs from its record; pack again")
+    return len(split)
+
+
+def _check_checksum(path: Path, expected: str) -> None:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while buffer := f.read(COPY_BYTES):
+            h.update(buffer)
+    if h.hexdigest() != expected:
+        raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
+
+
+def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, hashes: list[bytes]) -> None:
+    """The shard's members are the samples `mine` (in stored order) where the index says, with its
+    labels and headers; each one's sha256 into `hashes`."""
+    cols, ext = index.splits[split_name].columns, index.splits[split_name].header["ext"]
     try:
         with tarfile.open(path) as tar:
             members = tar.getmembers()
@@ -426,8 +533,31 @@ def _check_members(path: Path, mine: np.ndarray, cols: dict[str, np.ndarray], ex
                     raise UserError(f"shard {path}: member {image.name} is not where the index says; pack again")
                 if tar.extractfile(label).read() != str(int(cols["label"][i])).encode():
                     raise UserError(f"shard {path}: the label of {image.name} differs from the index; pack again")
+                data = tar.extractfile(image).read()
+                _check_header(index, split_name, i, data, path)
+                hashes[i] = hashlib.sha256(data).digest()
     except tarfile.TarError as exc:
         raise UserError(f"shard {path} is not a readable tar file ({exc}); pack again") from None
+
+
+def _check_header(index: Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
+    """Sample i's width, height, format, mode and extension in the index are its image's (a crop plan uses them)."""
+    split = index.splits[split_name]
+    header = [split.header[key][i] for key in ("format", "mode", "ext")]
+    stated = (int(split.columns["width"][i]), int(split.columns["height"][i]), *header)
+    try:
+        with opened(data) as image:
+            found = (*image.size, image.format or "", image.mode, extension(image.format or ""))
+    except PIL_ERRORS as exc:
+        raise UserError(
+            f"shard {shard}: sample {i} of split {split_name} is no readable image ({exc}); pack again"
+        ) from None
+    if found != stated:
+        said, is_ = ("{}x{} {} {} (.{})".format(*values) for values in (stated, found))
+        raise UserError(
+            f"index {index.path} says sample {i} of split {split_name} is {said}, but its image in {shard} is {is_}; "
+            f"pack again"
+        )
 
 
 def run_pack(config: str | None, overrides: list[str], out: str | None, verify: str | None, shard_mb: float,
@@ -435,6 +565,7 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     """What `multicard pack` does; its one-line summary."""
     from multicard.config import load_config
     from multicard.data import read_splits
+    from multicard.preflight import check_output_folder
 
     if verify:
         return verify_pack(Path(verify))
@@ -444,8 +575,28 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
         raise UserError(f"--shard-mb {shard_mb} must be > 0 (the size of one shard in MiB, e.g. 256)")
     if workers < 0:
         raise UserError(f"--workers {workers} must be >= 0 (0: every core)")
-    check_out(Path(out))  # before reading the dataset
     cfg = load_config(config, overrides)
     if cfg.data.name == "shards":
         raise UserError("data.name=shards is packed already; name the dataset to pack (e.g. data.name=imagefolder)")
+    check_apart(Path(out), cfg.data)
+    check_output_folder(out, "--out")  # a file in its path, or a folder that cannot be written
+    check_out(Path(out))  # before reading the dataset
     return pack(cfg.data, read_splits(cfg.data, cfg.seed), PackOptions(Path(out), shard_mb, workers))
+
+
+def check_apart(out: Path, d: DataConfig) -> None:
+    """The pack's folder and the dataset's apart: a pack inside the source becomes part of it (a class
+    folder of shards), and a source inside the pack's folder would be cleared by a pack starting over."""
+    roots = {"data.root": d.root if d.name in READS_ROOT else None, "data.val_root": d.val_root}
+    where = out.resolve()
+    for key, root in roots.items():
+        source = Path(root).resolve() if root else None
+        if source is not None and (where == source or source in where.parents):
+            raise UserError(
+                f"--out {out} lies inside {key}={root}, the dataset being packed, and would become part of it; "
+                f"choose a folder outside it"
+            )
+        if source is not None and where in source.parents:
+            raise UserError(
+                f"{key}={root} lies inside --out {out}, where the pack is written; choose a folder outside the dataset"
+            )

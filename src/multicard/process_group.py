@@ -230,12 +230,19 @@ def end_in_time(code: int, grace_s: float = EXIT_GRACE_S) -> None:
 def die_with_launcher(env: ProcessEnv) -> None:
     """A worker of multicard's launcher gets SIGTERM when the launcher dies, however it dies
     (SIGKILL by the out-of-memory killer or a scheduler): it then stops like on any SIGTERM,
-    with a checkpoint if training, at once if still starting. Linux only; elsewhere a no-op."""
-    if env.launcher_pid is None or not sys.platform.startswith("linux"):
+    with a checkpoint if training, at once if still starting."""
+    if env.launcher_pid is not None:
+        die_with_parent(env.launcher_pid)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """This process gets SIGTERM when its parent (`parent_pid`) dies, however it dies. Linux only;
+    elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != env.launcher_pid:  # the launcher died before the request took effect
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -213,7 +213,7 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
             mix = mixing(cfg.mix, batch_split, ctx.rank, cfg.seed, data.num_classes)
             trainer, _ = assemble_trainer(cfg, strategy, model, data.train, data.val, schedule, stop, mix)
             watchdog = watch_for_stalls(cfg, ctx, trainer.loop, stack)
-            run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size)
+            run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size, data.fingerprint)
             yield Session(cfg, ctx, strategy, batch_split, data, trainer, run, notes, watchdog)
     except MulticardError as exc:
         # An error of this rank alone: leave the process group open on the way out, so peers see

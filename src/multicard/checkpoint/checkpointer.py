@@ -246,6 +246,7 @@ class Checkpointer(Callback):
                 **{k: v for k, v in state.items() if k not in TOP_LEVEL},  # position, rng
                 "steps_per_epoch": self.run.steps_per_epoch,
                 "world_size": self.run.world_size,
+                "data_fingerprint": self.run.data_fingerprint,
             },
         }
         path = self.writer.path_for(self.folder, pos.global_step)

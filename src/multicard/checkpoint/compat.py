@@ -35,6 +35,7 @@ class RunFacts:
     classes: list[str]
     steps_per_epoch: int
     world_size: int
+    data_fingerprint: str | None = None  # of the training sample list (data.sample_list_fingerprint); None: not cheap
     script: str | None = None  # a user's script that trained with multicard.Run (None: multicard train)
 
 
@@ -159,6 +160,21 @@ def check_resumable(meta: dict[str, Any], path: Path, run: RunFacts, model: nn.M
         raise UserError(
             f"checkpoint {path} had {meta['resume']['steps_per_epoch']} steps per epoch, this dataset gives "
             f"{run.steps_per_epoch}; resume on the same training data or set train.resume=never"
+        )
+    check_same_samples(meta, path, run)
+
+
+def check_same_samples(meta: dict[str, Any], path: Path, run: RunFacts) -> None:
+    """Other training samples (others, in another order, or with other labels) make another run,
+    though names and counts agree. A checkpoint without a fingerprint (an older one) or a source
+    without one (a dataset function's) is not compared."""
+    saved = meta["resume"].get("data_fingerprint")
+    if saved is not None and run.data_fingerprint is not None and saved != run.data_fingerprint:
+        raise UserError(
+            f"checkpoint {path} was trained on other training samples than this data gives (other samples, "
+            f"another order or other labels, under the same class names); to continue it, resume on the data "
+            f"it was trained on (moved or repacked is fine); to start afresh, set train.resume=never or another "
+            f"out_dir; to fine-tune from its weights, use another out_dir with model.weights={path}"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from multicard.data.policies import sample_policy
 from multicard.data.progressive import ProgressiveSize, progressive_size
 from multicard.data.ranks import check_same_across_ranks
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler
-from multicard.data.shards import order_of, shard_splits
+from multicard.data.shards import ShardSamples, order_of, shard_splits
 from multicard.data.sources import (
     Files,
     InMemory,
@@ -54,6 +55,7 @@ class Data:
     num_classes: int
     classes: list[str]
     loader: str  # device | workers
+    fingerprint: str | None = None  # of the training samples (sample_list_fingerprint): what a checkpoint records
 
     def close(self) -> None:
         """Release loader processes (the workers loader's); safe to call more than once."""
@@ -95,6 +97,29 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         check_same_classes(splits.classes, classes, Path(d.val_root))
         splits = Splits(splits.train, val, splits.classes)
     return splits
+
+
+def sample_list_fingerprint(source: Source) -> str | None:
+    """A cheap digest of a training split's sample list (which samples, in which order, with
+    which labels): a resume onto another list is refused (checkpoint/compat.py). Image folders:
+    relative paths, sizes and labels (the same files elsewhere match); packed shards: each
+    sample's label, length and size from the index (another path or shard size match); in-memory
+    data (synthetic, CIFAR-10): labels and shape, the pixels being what the config or the fixed
+    files define. A dataset function's or Hugging Face dataset's items are not read twice: None."""
+    h = hashlib.sha256(type(source).__name__.encode())
+    if isinstance(source, Files):
+        h.update("\0".join(source.paths).encode())
+        h.update(source.labels.numpy().tobytes())
+        if source.sizes is not None:
+            h.update(source.sizes.numpy().tobytes())
+    elif isinstance(source, InMemory):
+        h.update(repr(tuple(source.images.shape)).encode())
+        h.update(source.labels.numpy().tobytes())
+    elif isinstance(source, Items) and isinstance(source.dataset, ShardSamples):
+        h.update(source.dataset.sample_list(source.indices.numpy()))
+    else:
+        return None
+    return h.hexdigest()[:32]
 
 
 def check_synthetic_fits(d: DataConfig) -> None:
@@ -148,20 +173,24 @@ def _in_memory(source: Source, size: int, cache_dir: Path | None, write: bool, r
 
 def loader_processes(requested: int, ctx: ProcessContext) -> int:
     """Loader processes per rank: data.num_workers, or for -1 the rank's share of the cores (at
-    most 8). More than the rank's share only compete for those cores (and each holds memory of its
-    own): capped, said once."""
-    share = max(1, cpu_cores() // ctx.local_world_size)
+    most 8), capped to that share (capped_to_cores)."""
     if requested < 0:
-        return min(8, share)
-    if requested > share:
-        if ctx.is_main:  # every rank caps alike
-            print(
-                f"multicard: data.num_workers={requested} is more than the {share} core(s) each of the "
-                f"{ctx.local_world_size} process(es) on this machine may use; starting {share} per process",
-                file=sys.stderr,
-            )
-        return share
-    return requested
+        return min(8, max(1, cpu_cores() // ctx.local_world_size))
+    return capped_to_cores(requested, f"data.num_workers={requested}", ctx.local_world_size, ctx.is_main)
+
+
+def capped_to_cores(requested: int, setting: str, local_processes: int, say: bool) -> int:
+    """`requested` processes for each of `local_processes` on this machine (data.num_workers, pack
+    --workers). More than a process's share of the cores only compete for those cores (and each
+    holds memory of its own): capped, said once (`say`: every rank caps alike, one says it)."""
+    share = max(1, cpu_cores() // local_processes)
+    if requested > share and say:
+        print(
+            f"multicard: {setting} is more than the {share} core(s) each of the "
+            f"{local_processes} process(es) on this machine may use; starting {share} per process",
+            file=sys.stderr,
+        )
+    return min(requested, share)
 
 
 def worker_transforms(d: DataConfig, seed: int, sizes: ProgressiveSize | None) -> tuple[Transform, Transform]:
@@ -196,6 +225,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
         ShardedBatchSampler(len(splits.train), batch_split, ctx.rank, seed, d.repeats, order) if batch_split else None
     )
     classes, num_classes = splits.classes, len(splits.classes)
+    fingerprint = sample_list_fingerprint(splits.train) if batch_split is not None else None
 
     if kind == "device":
         cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
@@ -212,7 +242,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
         train = None
         if sampler is not None:
             train = DeviceTrainLoader(TensorImages(arrays["train"], ctx.device), sampler, train_finish)
-        return Data(train, val, num_classes, classes, kind)
+        return Data(train, val, num_classes, classes, kind, fingerprint)
 
     workers = loader_processes(d.num_workers, ctx)
     train_tf, eval_tf = worker_transforms(d, seed, sizes)
@@ -232,4 +262,4 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     train = None
     if sampler is not None:
         train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, seed, ctx.rank, collate)
-    return Data(train, val, num_classes, classes, kind)
+    return Data(train, val, num_classes, classes, kind, fingerprint)

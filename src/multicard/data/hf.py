@@ -74,14 +74,14 @@ class HFItems:
     """A Hugging Face split as (image, label) items; images as their encoded bytes where stored so.
     `labels`: the label column, read once (checks and the ranks' fingerprint need no image)."""
 
-    def __init__(self, dataset: Any, image: str, label: str, labels: np.ndarray) -> None:
+    def __init__(self, dataset: Any, image: str, label: str, labels: np.ndarray, name: str) -> None:
         datasets = import_datasets()
         dataset = dataset.select_columns([image, label])
         if isinstance(dataset.features[image], datasets.Image):
             dataset = dataset.cast_column(image, datasets.Image(decode=False))  # {"bytes", "path"}: undecoded
         else:
             dataset = dataset.with_format("numpy")  # arrays of pixels
-        self.dataset, self.image, self.label, self.labels = dataset, image, label, labels
+        self.dataset, self.image, self.label, self.labels, self.name = dataset, image, label, labels, name
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -90,8 +90,18 @@ class HFItems:
         row = self.dataset[index]
         image = row[self.image]
         if isinstance(image, dict):  # an Image feature, undecoded: its bytes, or the file they live in
-            image = image["bytes"] if image.get("bytes") is not None else Path(image["path"]).read_bytes()
+            image = image["bytes"] if image.get("bytes") is not None else self._file(index, image["path"])
         return image, row[self.label]
+
+    def _file(self, index: int, path: str | None) -> bytes:
+        """The bytes of the image file a row names (parquet files may hold paths, not bytes)."""
+        try:
+            return Path(path or "").read_bytes()
+        except OSError as exc:
+            raise UserError(
+                f"{self.name} item {index} names image file {path}, which cannot be read "
+                f"({exc.strerror or type(exc).__name__}); restore the file or store the images' bytes in the dataset"
+            ) from None
 
 
 def _check_columns(d: DataConfig, split: str, dataset: Any) -> None:
@@ -156,7 +166,8 @@ def hf_splits(d: DataConfig) -> Splits:
     def items(split: str) -> tuple[HFItems, list[str]]:
         classes = class_names(d, splits[split], plain_count)
         check_labels(d, split, labels[split], classes)
-        return HFItems(splits[split], d.hf_image, d.hf_label, labels[split]), classes
+        name = f"data.name=hf data.root={root} split {split}"
+        return HFItems(splits[split], d.hf_image, d.hf_label, labels[split], name), classes
 
     train, classes = items(d.hf_train_split)
     val = items(val_name) if val_name is not None else None

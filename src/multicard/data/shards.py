@@ -35,6 +35,7 @@ from multicard.errors import UserError
 FORMAT = "multicard-shards"
 VERSION = 1
 INDEX = "index.json"
+PARTIAL = ".partial"  # chunks and the plan of an unfinished pack
 BLOCK = 512  # tar's block: every member is a 512-byte header, then its data padded to blocks
 # data.order=local: runs of RUN samples stored next to each other, in a shuffled order, shuffled
 # within windows of WINDOW runs (a batch of 256 then reads about 16 runs, each in one read).
@@ -56,6 +57,7 @@ class PackedSplit:
     shard_bytes: list[int]
     columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
     header: dict[str, list[str]]  # HEADER → one entry per sample
+    samples_sha256: str | None = None  # of the samples' bytes, in order (pack.samples_digest); older packs: None
 
     def __len__(self) -> int:
         return len(self.columns["label"])
@@ -71,16 +73,17 @@ class Index:
 
 
 def _bad_index(path: Path, why: str) -> UserError:
-    return UserError(f"index {path} {why}; pack the data again (multicard pack), or point data.root at a packed folder")
+    return UserError(
+        f"index {path} {why}; pack the data again (multicard pack; multicard pack --verify DIR checks a pack)"
+    )
 
 
-def read_index(directory: Path) -> Index:
-    """The index of a packed folder, its format and version checked, or a one-line error naming the file."""
+def read_index(directory: Path, what: str | None = None) -> Index:
+    """The index of a packed folder, its format, version and entries checked, or a one-line error
+    naming the file. `what`: how the folder was given (default `data.root=DIR`)."""
     path = directory / INDEX
     if not path.is_file():
-        if directory.is_dir() and (directory / ".partial").is_dir():
-            raise UserError(f"{directory} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
-        raise UserError(f"data.root={directory} has no {INDEX}; make it with multicard pack --out {directory}")
+        raise _no_index(directory, what or f"data.root={directory}")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -93,10 +96,33 @@ def read_index(directory: Path) -> Index:
             f"pack the data again with this version (multicard pack)"
         )
     try:
-        splits = {name: _packed_split(directory, part) for name, part in raw["splits"].items()}
-        return Index(path, list(raw["classes"]), str(raw["fingerprint"]), str(raw["source"]), splits)
-    except (KeyError, TypeError, ValueError) as exc:
+        classes = [str(c) for c in raw["classes"]]
+        splits = {str(name): _packed_split(directory, part) for name, part in raw["splits"].items()}
+        index = Index(path, classes, str(raw["fingerprint"]), str(raw["source"]), splits)
+    except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as exc:
         raise _bad_index(path, f"is damaged (bad entry {exc})") from None
+    for name, split in splits.items():
+        _check_entries(index, name, split)
+    return index
+
+
+def _no_index(directory: Path, what: str) -> UserError:
+    """Why a folder without an index is no pack, and what to do: `multicard pack --out` it only where
+    pack would write (a new or empty folder)."""
+    if directory.is_dir() and (directory / PARTIAL).is_dir():
+        return UserError(f"{directory} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
+    where = next(folder for folder in (directory, *directory.parents) if folder.exists())
+    if not where.is_dir():
+        return UserError(
+            f"{what}: {where} is a file, not a folder multicard pack wrote (one with {INDEX} and the shards); "
+            f"give such a folder"
+        )
+    if where == directory and any(directory.iterdir()):
+        return UserError(
+            f"{what} has no {INDEX}: it is not a folder multicard pack wrote; pack the dataset into a new folder "
+            f"(multicard pack --out NEW_DIR) and give that one"
+        )
+    return UserError(f"{what} has no {INDEX}; make it with multicard pack --out {directory}")
 
 
 def _packed_split(directory: Path, part: dict[str, Any]) -> PackedSplit:
@@ -105,7 +131,39 @@ def _packed_split(directory: Path, part: dict[str, Any]) -> PackedSplit:
     header = {c: [str(v) for v in part[c]] for c in HEADER}
     if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
         raise ValueError("columns of different lengths")
-    return PackedSplit(shards, [int(s["bytes"]) for s in part["shards"]], columns, header)
+    digest = part.get("samples_sha256")
+    return PackedSplit(shards, [int(s["bytes"]) for s in part["shards"]], columns, header, digest and str(digest))
+
+
+def _check_entries(index: Index, name: str, split: PackedSplit) -> None:
+    """Every sample lies inside its shard (as long as the index says the shard is) and has a label
+    of the index's classes: a damaged index is said at start-up, naming the first bad sample."""
+    cols, ends = split.columns, np.asarray(split.shard_bytes, dtype=np.int64)
+    shard, offset, length, label = cols["shard"], cols["offset"], cols["length"], cols["label"]
+    known = (shard >= 0) & (shard < len(ends))
+    shard_end = np.append(ends, 0)[np.where(known, shard, len(ends))]  # 0 for a shard the index does not list
+    inside = known & (offset >= 0) & (length >= 0) & (offset <= shard_end - length)
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
+        where = f"shard {shard[i]} of {len(ends)}" if not known[i] else f"bytes {offset[i]}..{offset[i] + length[i]}"
+        raise _bad_index(index.path, f"is damaged: sample {i} of split {name} lies outside its shard ({where})")
+    labelled = (label >= 0) & (label < len(index.classes))
+    if not labelled.all():
+        i = int(np.flatnonzero(~labelled)[0])
+        why = f"sample {i} of split {name} has label {label[i]}, but the index names {len(index.classes)} classes"
+        raise _bad_index(index.path, f"is damaged: {why}")
+    sized = (cols["width"] > 0) & (cols["height"] > 0)
+    if not sized.all():
+        i = int(np.flatnonzero(~sized)[0])
+        why = f"sample {i} of split {name} has size {cols['width'][i]}x{cols['height'][i]}"
+        raise _bad_index(index.path, f"is damaged: {why}")
+
+
+def check_splits(index: Index) -> None:
+    """A pack holds a training and a validation split."""
+    for name in ("train", "val"):
+        if name not in index.splits:
+            raise _bad_index(index.path, f"has no {name} split")
 
 
 def check_shards(split: PackedSplit) -> None:
@@ -196,13 +254,29 @@ class ShardSamples:
         first, last = run[0], run[-1]
         shard, start = int(self.shard_of[first]), int(self.offset[first])
         length = int(self.offset[last]) + int(self.length[last]) - start
-        data = os.pread(self._fd(shard), length, start)
-        if len(data) != length:
+        try:
+            data = os.pread(self._fd(shard), length, start)
+        except OSError as exc:
+            raise UserError(
+                f"cannot read shard {self.split.shards[shard]} ({exc.strerror or type(exc).__name__}); restore it "
+                f"or pack the data again (multicard pack --verify DIR checks a pack)"
+            ) from None
+        if len(data) != length:  # the index was checked against the shard's size at start-up
             raise UserError(
                 f"shard {self.split.shards[shard]} ends before sample {last}'s bytes: it was truncated while in use; "
                 f"restore it or pack the data again (multicard pack)"
             )
         return data
+
+    def sample_list(self, indices: np.ndarray) -> bytes:
+        """What tells these samples apart, in order, whatever the pack's path or shard size
+        (data.sample_list_fingerprint): the checksum of the split's bytes pack recorded, with the
+        labels; else (an older pack, or a share of the split) each one's label, length and size."""
+        whole = np.array_equal(indices, np.arange(len(self)))
+        if whole and self.split.samples_sha256 is not None:
+            return self.split.samples_sha256.encode() + self.labels.tobytes()
+        columns = (self.labels, self.length, self.width, self.height)
+        return np.stack([column[indices] for column in columns]).tobytes()
 
     def stored(self) -> torch.Tensor:
         """The samples in the order the shards store them."""
@@ -222,9 +296,8 @@ class ShardSamples:
 def shard_splits(directory: Path, reads_in_flight: int = 1) -> Splits:
     """The training and validation splits of a packed folder (its index read and its shards checked)."""
     index = read_index(directory)
+    check_splits(index)
     for name in ("train", "val"):
-        if name not in index.splits:
-            raise _bad_index(index.path, f"has no {name} split")
         check_shards(index.splits[name])
     what = f"data.name=shards data.root={directory}"
     parts = {

@@ -42,12 +42,14 @@ class Files:
     root: Path  # paths are relative to it (that keeps cache keys movable)
     paths: list[str]
     labels: torch.Tensor  # int64 (N,)
+    sizes: torch.Tensor | None = None  # int64 (N,): each file's bytes when scanned (a run's data fingerprint)
 
     def __len__(self) -> int:
         return self.labels.numel()
 
     def subset(self, indices: torch.Tensor) -> Files:
-        return Files(self.root, [self.paths[i] for i in indices.tolist()], self.labels[indices])
+        sizes = self.sizes[indices] if self.sizes is not None else None
+        return Files(self.root, [self.paths[i] for i in indices.tolist()], self.labels[indices], sizes)
 
 
 @dataclass
@@ -90,30 +92,57 @@ def _hidden(name: str) -> bool:
     return name.startswith(".")  # .ipynb_checkpoints, .DS_Store, .git: never classes or images
 
 
-def _class_images(directory: Path, class_dir: str) -> list[str]:
-    """Image files under directory/class_dir (any depth, links followed), in a stable order.
+def _class_images(directory: Path, class_dir: str) -> list[tuple[str, int]]:
+    """(path relative to directory, bytes) of the image files under directory/class_dir (any
+    depth, links followed), in a stable order.
 
     Anything that is not a regular file behind an image name (a FIFO, a socket, a link to
-    nothing) is an error naming it: reading it would hang or fail mid-epoch.
+    nothing) is an error naming it: reading it would hang or fail mid-epoch. So is a link to a
+    folder that holds it (`ln -s .. loop`): following it would loop, every image again under
+    another path and other classes' images with this label.
     """
     from torchvision.datasets.folder import IMG_EXTENSIONS  # imported where used: see models.py
 
     found = []
-    for root, _, files in sorted(os.walk(directory / class_dir, followlinks=True)):
-        if any(_hidden(part) for part in Path(root).relative_to(directory).parts):
-            continue
+    start = directory / class_dir
+    # Each walked folder's real path, and the real folders that hold it: a link into one of them loops.
+    walked = {str(start): (os.path.realpath(start), _real_holders(start) | _real_holders(directory))}
+    for root, dirs, files in os.walk(start, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not _hidden(d))  # hidden folders: never images, never walked
+        for d in dirs:
+            walked[os.path.join(root, d)] = _entered(Path(root) / d, *walked[root])
         for name in sorted(files):
             if _hidden(name) or not name.lower().endswith(IMG_EXTENSIONS):
                 continue
             path = Path(root) / name
             try:
-                mode = path.stat().st_mode
+                st = path.stat()
             except FileNotFoundError:
                 raise UserError(f"{path} is a broken symbolic link; remove it or fix its target") from None
-            if not stat.S_ISREG(mode):
+            if not stat.S_ISREG(st.st_mode):
                 raise UserError(f"{path} is not a regular file (a FIFO, socket or device); remove it from the folder")
-            found.append(str(path.relative_to(directory)))
-    return found
+            found.append((root, name, str(path.relative_to(directory)), st.st_size))
+    return [(relative, size) for _, _, relative, size in sorted(found)]  # by folder, then name
+
+
+def _real_holders(folder: Path) -> set[str]:
+    """The real path of `folder` and of every folder above it."""
+    real = Path(os.path.realpath(folder))
+    return {str(real), *map(str, real.parents)}
+
+
+def _entered(folder: Path, parent_real: str, holders: set[str]) -> tuple[str, set[str]]:
+    """(real path, real folders holding it) of `folder`, a subfolder of a walked one whose real
+    path and holders are given; a link that leads back into a folder holding it is refused."""
+    if not folder.is_symlink():
+        return os.path.join(parent_real, folder.name), holders | {parent_real}
+    real = os.path.realpath(folder)
+    if real in holders or real == parent_real:
+        raise UserError(
+            f"{folder} is a symbolic link to {real}, a folder that holds it: following it would loop "
+            f"(the images under it again, with this class's label); remove the link"
+        )
+    return real, holders | {parent_real} | _real_holders(Path(real)) - {real}
 
 
 def scan_folder(directory: Path, what: str) -> tuple[Files, list[str]]:
@@ -124,19 +153,20 @@ def scan_folder(directory: Path, what: str) -> tuple[Files, list[str]]:
     classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not _hidden(e.name))
     if not classes:
         raise UserError(f"{what} {directory}: Couldn't find any class folder in {directory}; {layout}")
-    paths: list[str] = []
+    found: list[tuple[str, int]] = []
     labels: list[int] = []
     empty = []
     for label, name in enumerate(classes):
         images = _class_images(directory, name)
         empty += [] if images else [name]
-        paths += images
+        found += images
         labels += [label] * len(images)
-    if not paths:
+    if not found:
         raise UserError(f"{what} {directory} holds no images; {layout}")
     if empty:
         raise UserError(f"{what} {directory}: class folder {empty[0]} holds no images; add some or remove it")
-    return Files(directory, paths, torch.tensor(labels, dtype=torch.int64)), classes
+    sizes = torch.tensor([size for _, size in found], dtype=torch.int64)
+    return Files(directory, [path for path, _ in found], torch.tensor(labels, dtype=torch.int64), sizes), classes
 
 
 def image_folder(root: Path, val_fraction: float, split_seed: int) -> Splits:
