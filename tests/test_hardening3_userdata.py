@@ -210,7 +210,7 @@ def test_37_10_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(mod
     cfg = load_config(None, [*RUN, "data.name=mc37_sigign:squares", f"out_dir={tmp_path}"])
     with open_session(cfg, ProcessEnv(source="none")) as s:
         signal.raise_signal(signal.SIGTERM)  # ignored before: the run would have trained on
-        assert s.trainer.stop is not None and s.trainer.stop.signum == signal.SIGTERM
+        assert s.trainer.loop.stop is not None and s.trainer.loop.stop.signum == signal.SIGTERM
     err = capsys.readouterr().err
     assert one_line(err) == (
         "multicard: warning: data.name=mc37_sigign:squares changed the handler of SIGTERM (multicard put back the "
@@ -272,7 +272,8 @@ def test_37_16_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(
     assert main(["bench", "data.name=shards", f"data.root={tmp_path / 'run'}", *args]) == 2
     run = tmp_path / "run"
     assert one_line(capsys.readouterr().err) == (
-        f"multicard: error: data.root={run} has no index.json; make it with multicard pack --out {run}"
+        f"multicard: error: data.root={run} has no index.json: it is not a folder multicard pack wrote; pack the "
+        f"dataset into a new folder (multicard pack --out NEW_DIR) and give that one"
     )
     assert not out.exists()
 
