@@ -241,3 +241,45 @@ def test_a_global_batch_the_processes_do_not_divide_is_refused_in_one_line(tmp_p
         "use a multiple of 2 such as 2 or 4"
     )
     assert not (tmp_path / "run").exists()  # a refused run writes nothing
+
+
+def test_epochs_before_a_loader_and_a_stepped_optimizer_are_one_line(run):
+    model = torch.nn.Linear(2, 1)
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2)).sum().backward()
+    stepped.step()
+    with pytest.raises(UserError, match="got an optimizer that has already stepped"):
+        run.setup(model, stepped)
+    run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(UserError, match=r"run.epochs\(...\) before run.loader\(train_set\)"):
+        run.epochs(1)
+
+
+def test_state_a_checkpoint_cannot_hold_and_options_that_set_an_argument_are_one_line(run):
+    with pytest.raises(UserError, match=r"run.state\['f'\] = builtin_function_or_method: a checkpoint holds"):
+        run.state["f"] = print
+    import multicard
+
+    with pytest.raises(UserError, match=r"sets train.grad_accum: give it as Run's own argument grad_accum=\.\.\."):
+        multicard.Run("unused", global_batch_size=4, options={"train.grad_accum": 2})
+
+
+def test_eval_refuses_and_export_writes_a_checkpoint_of_a_scripts_loop(uninterrupted, tmp_path, capsys):
+    from multicard.cli import main
+
+    last = str(uninterrupted[1] / "checkpoints" / "last.pt")
+    assert main(["eval", "--checkpoint", last]) == 2
+    assert "written by a script's own loop" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", last, "--out", str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert_bitwise_equal(exported, final_params(uninterrupted[1]))
+
+
+def test_run_of_a_missing_script_is_one_line(tmp_path, capsys):
+    from multicard.cli import main
+
+    assert main(["run", str(tmp_path / "nothing.py")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"multicard: error: script {tmp_path / 'nothing.py'} not found; give the path of a Python file "
+        f"(multicard run my_train.py)"
+    )

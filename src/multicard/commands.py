@@ -69,6 +69,12 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
 def eval_config(state: dict[str, Any], overrides: list[str]) -> Config:
     """The checkpoint's config with the overrides; evaluation runs as the launcher says (one
     process, or ddp under a launcher), whatever strategy trained the checkpoint."""
+    if state.get("script"):
+        raise UserError(
+            f"this checkpoint was written by a script's own loop ({state['script']}, multicard.Run), whose model "
+            f"and data multicard eval cannot build; evaluate it there with run.evaluate, or export its weights "
+            f"with multicard export"
+        )
     return dataclasses.replace(config_from_dict(state["config"], overrides), strategy="auto")
 
 
@@ -134,8 +140,10 @@ def export(path: str, out: str, ema: bool = False) -> Path:
     model = {k: v.contiguous() for k, v in weights.items()}
     save_atomic(model, target)
     size = sum(v.numel() * v.element_size() for v in model.values())
+    script = state.get("script")
+    trained_by = f"script {script}" if script else f"model.name={state['config']['model']['name']}"
     print(
-        f"wrote {target}: {len(model)} tensors, {size / 2**20:.1f} MiB, model.name={state['config']['model']['name']} "
+        f"wrote {target}: {len(model)} tensors, {size / 2**20:.1f} MiB, {trained_by} "
         f"at step {state['step']}" + (" (the weights' EMA)" if ema else "")
     )
     return target

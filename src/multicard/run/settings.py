@@ -62,13 +62,15 @@ def run_config(arguments: dict[str, Any], options: Mapping[str, Any] | Iterable[
     extra = _option_items(options)
     for item in extra:
         key = item.partition("=")[0].strip()
-        if key.startswith(NOT_A_RUN_SETTING) or key in ARGUMENTS.values() or key == "train.epochs":
+        if key in ARGUMENTS.values():
+            raise UserError(f"Run(options=...) sets {key}: give it as Run's own argument {_argument_of(key)}=...")
+        if key == "train.epochs":
+            raise UserError("Run(options=...) sets train.epochs: give the epochs to run.epochs(N)")
+        if key.startswith(NOT_A_RUN_SETTING):
             raise UserError(
-                f"Run(options=...) sets {key}, which "
-                + (f"is Run's own argument {_argument_of(key)}=" if key in ARGUMENTS.values() else
-                   "run.epochs(N) sets" if key == "train.epochs" else
-                   "belongs to multicard train's own data, model and recipe; your loop sets those itself")
-            )  # fmt: skip
+                f"Run(options=...) sets {key}, a setting of multicard train's own data, model and recipe; your loop "
+                f"sets those itself"
+            )
     try:
         return load_config(None, overrides + extra)
     except UserError as exc:
