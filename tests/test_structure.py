@@ -242,3 +242,17 @@ def test_the_checks_see_a_cycle_an_upward_import_and_a_private_name():
     assert layer_of("multicard.cli") > layer_of("multicard.plan.planner") > layer_of("multicard.trainer")
     assert layer_of("multicard.nowhere") is None and layer_of("multicard") == layer_of("multicard.run")
     assert layer_of("multicard.data.sampling") == layer_of("multicard.data")
+
+
+def test_one_module_runs_backward():
+    """The loop (multicard.loop) is the one place a backward pass is written: train, a user's loop
+    (multicard.Run) and every tool that times a step go through it. (The yardsticks, hand-written
+    loops that bench compares with, are another package.)"""
+    callers = set()
+    for name, path in modules().items():
+        if not name.startswith("multicard."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
+                callers.add(name)
+    assert callers == {"multicard.loop"}, callers

@@ -105,7 +105,7 @@ def measure_rank(cfg: Config, rank: int, world_size: int, batches: int, ctx: Pro
             device_augment += _time_batch(images, finish, indices, ctx.device, seconds)
             samples += len(indices)
         seconds["augment"] += device_augment
-        step = step_seconds(cfg, split.micro_batch, len(data.classes), ctx.device)
+        step = step_seconds(cfg, split.micro_batch, len(data.classes), here)
         workers = loader_processes(cfg.data.num_workers, here)
         return RankSplit(rank, samples, split.micro_batch, max(1, workers), seconds, step, device_augment)
     finally:
@@ -144,21 +144,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(cfg: Config, batch: int, num_classes: int, device: torch.device, steps: int = 5) -> float:
-    """Seconds of one forward, backward and SGD step of the configured model on a random batch."""
+def step_seconds(cfg: Config, batch: int, num_classes: int, ctx: ProcessContext, steps: int = 5) -> float:
+    """Seconds of one training step of the configured model on a random batch, through the run's loop
+    (multicard.loop: the step every run takes), in this one process."""
+    from multicard.loop import Loop, Schedule
     from multicard.models import build_model
+    from multicard.precision import Precision
+    from multicard.strategy import ModelSetup, Strategy
 
-    model = build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    device = ctx.device
+    strategy = Strategy(dataclasses.replace(ctx, rank=0, world_size=1), Precision(cfg.precision, device.type),
+                        ModelSetup(cfg.model.channels_last))  # fmt: skip
+    model = strategy.prepare(build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs)))
+    loop = Loop(strategy, Schedule(steps_per_epoch=steps + 2, total_steps=steps + 2))
+    loop.attach(model, torch.optim.SGD(model.parameters(), lr=0.01))
     size = cfg.data.image_size
-    x, y = torch.randn(batch, 3, size, size, device=device), torch.randint(0, num_classes, (batch,), device=device)
+    x = torch.randn(batch, 3, size, size, device=device, dtype=strategy.precision.param_dtype)
+    y = torch.randint(0, num_classes, (batch,), device=device)
     for i in range(steps + 2):
         if i == 2:  # after warm-up
             _sync(device)
             start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        with loop.micro_step(0):
+            loop.backpropagate(torch.nn.functional.cross_entropy(model(x).float(), y))
+        loop.optimizer_step()
+        loop.clock.end_step()
     _sync(device)
     return (time.perf_counter() - start) / steps
 

@@ -251,8 +251,9 @@ class Loop:
                 self._gradients.expect(sync)
             yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """The gradients of one micro-step's mean loss, as a share of the global batch's."""
+    def backpropagate(self, loss: torch.Tensor) -> None:
+        """The gradients of one micro-step's mean loss, as a share of the global batch's (the one
+        backward pass of multicard: train, a user's loop, and every tool that times a step)."""
         self.clock.enter(BACKWARD)
         self.scaler.scale(loss / self.schedule.grad_accum).backward()
 

@@ -243,7 +243,7 @@ class Trainer:
                 clock.enter(FORWARD)
                 logits = logits_for_loss(self.model(x))
                 loss = F.cross_entropy(logits, target, label_smoothing=self.schedule.label_smoothing)
-                loop.backward(loss)
+                loop.backpropagate(loss)
             self.meter.add(loss, logits, y)
         loop.optimizer_step()
 

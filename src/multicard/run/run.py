@@ -120,7 +120,7 @@ class Run:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of this micro-batch's mean loss, as a share of the global batch's."""
-        self.training.backward(loss)
+        self.training.backpropagate(loss)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> bool:
         """After the last micro-step of a global batch: clip, step, zero the gradients, step the
@@ -180,7 +180,9 @@ class Run:
         atexit.unregister(self.close)
         with ExitStack() as stack:
             stack.callback(self.runtime.close)
-            self.training.close()
+            # At exit after an exception the script did not catch (its traceback printed), the other
+            # ranks may be gone or elsewhere: nothing that waits for them (a due checkpoint) runs.
+            self.training.close(settle=getattr(sys, "last_value", None) is None)
 
     def __enter__(self) -> Run:
         return self

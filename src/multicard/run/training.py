@@ -165,13 +165,13 @@ class Training:
         if not self.begun:
             raise UserError(f"{what} outside `for epoch in run.epochs(N)`: train in that loop (it resumes and saves)")
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backpropagate(self, loss: torch.Tensor) -> None:
         self._require_training("run.backward(loss)")
         self.settle()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise UserError("run.backward(loss) takes the loss: one number that needs gradients (e.g. a mean)")
         self.logbook.watch_loss(loss)
-        self.loop.backward(loss)
+        self.loop.backpropagate(loss)
         self._backwards += 1
 
     def step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> bool:
@@ -232,11 +232,13 @@ class Training:
             self.ended = True
             self.end_micro()
             if ending is None:
-                self.settle()
+                self.settle()  # the last step's due checkpoint
             self.loop.ending = ending
             self.loop.hooks.on_fit_end(self.loop)
 
-    def close(self) -> None:
-        self.finish(None)
+    def close(self, settle: bool = True) -> None:
+        """`settle`: the script ended normally (else nothing that waits for the other ranks runs)."""
+        if settle:
+            self.finish(None)
         for loader in self.loaders:
             loader.close()
