@@ -12,6 +12,7 @@ from multicard.checkpoint import Checkpointer, check_model_fits, read_checkpoint
 from multicard.checkpoint.compat import check_classes
 from multicard.config import Config, config_from_dict, to_yaml
 from multicard.data import build_data
+from multicard.data.sampling import repeats_note
 from multicard.errors import UserError
 from multicard.preflight import check_run, prepare_out_dir
 from multicard.process_group import ProcessEnv, teardown
@@ -55,6 +56,8 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
                 f"global_batch={split.global_batch} "
                 f"(micro-batch {split.micro_batch} × {s.ctx.world_size} process(es) × {split.grad_accum} accum)"
             )
+            if note := repeats_note(split, cfg.data.repeats):  # this world size's layout: fresh or resumed
+                reporter.print(note)
             if state is None:
                 for note in s.notes:
                     reporter.print(note)

@@ -404,7 +404,7 @@ class Trainer:
                 if self._gradients is not None:
                     self._gradients.expect(sync)
                 self.scaler.scale(loss / accum).backward()
-            self.meter.add(loss, logits, y)
+            self.meter.add(loss, logits, target)  # under mixing: scored against the mixed targets
         clock.enter(OPTIMIZER)
         hooks.on_gradients(self)
         if sched.clip_grad_norm:
