@@ -12,6 +12,7 @@ from multicard.checkpoint import Checkpointer, check_model_fits, read_checkpoint
 from multicard.checkpoint.compat import check_classes
 from multicard.config import Config, config_from_dict, to_dict
 from multicard.data import build_data
+from multicard.data.sampling import repeats_note
 from multicard.errors import UserError
 from multicard.preflight import check_run, prepare_out_dir
 from multicard.process_group import ProcessEnv, teardown
@@ -49,7 +50,8 @@ def _train_in(out_dir: Path, cfg: Config, env: ProcessEnv) -> EvalResult | None:
             resumed = (resume_from, state["step"]) if resume_from is not None and state is not None else None
             what = f"model={cfg.model.name} data={cfg.data.name} loader={s.data.loader}"
             line = start_line(s.strategy, cfg.precision, split, what)
-            announce_start(reporter, out_dir, to_dict(cfg), line, trainer.loop, resumed, s.notes)
+            notes = [n for n in (repeats_note(split, cfg.data.repeats),) if n]  # this world size's layout
+            announce_start(reporter, out_dir, to_dict(cfg), line, trainer.loop, resumed, s.notes, notes)
             if trainer.finished:
                 val = state["val"] if state is not None else None
                 return EvalResult(**val) if val else None

@@ -80,7 +80,7 @@ class DataConfig:
     color_jitter: float = 0.0  # brightness, contrast and saturation by up to ± this fraction; 0 = off
     random_erasing: float = 0.0  # probability of erasing one rectangle of a training image; 0 = off
     # Repeated augmentation: an epoch holds 1/repeats of the samples, each `repeats` times with different
-    # augmentations, its copies spread over the global batch (and so over ranks); 1 = off
+    # augmentations, its copies spread over the global batch (config.check_repeats, docs/recipes.md); 1 = off
     repeats: int = 1
     # Progressive resizing (data/progressive.py): training images of this side until progressive_start_epoch,
     # growing to image_size by progressive_end_epoch in steps of progressive_multiple; 0 = off
@@ -415,11 +415,7 @@ def validate(cfg: Config) -> None:
     _choice(cfg.sched.name, "sched.name", SCHEDULES)
     check_data(cfg.data)
     check_mix(cfg.mix)
-    if cfg.train.global_batch_size % cfg.data.repeats:
-        raise UserError(
-            f"data.repeats={cfg.data.repeats} copies of each sample share a global batch: make "
-            f"train.global_batch_size={cfg.train.global_batch_size} a multiple of it"
-        )
+    check_repeats(cfg)
     _within(cfg.ema.decay, "ema.decay", 0, 1)
     _positive(cfg.ema.every, "ema.every")
     _positive(cfg.ema.start_epoch, "ema.start_epoch", zero_ok=True)
@@ -530,6 +526,25 @@ def check_mix(m: MixConfig) -> None:
     _within(m.prob, "mix.prob", 0, 1, hi_open=False)
     _within(m.switch_prob, "mix.switch_prob", 0, 1, hi_open=False)
     _choice(m.mode, "mix.mode", MIX_MODES)
+
+
+def check_repeats(cfg: Config) -> None:
+    """Repeated augmentation fills each global batch with whole sets of copies, and its copies
+    never form a mixing pair: copies stand B/repeats positions apart (data/sampling.py's
+    repeated_order) and a pair is positions 2k, 2k+1 (data/mixing.py), so only a global batch of
+    copies of one sample (B/repeats = 1) pairs a sample with itself. Whatever the world size."""
+    batch, repeats = cfg.train.global_batch_size, cfg.data.repeats
+    if batch % repeats:
+        raise UserError(
+            f"data.repeats={repeats} copies of each sample share a global batch: make "
+            f"train.global_batch_size={batch} a multiple of it"
+        )
+    if repeats > 1 and batch == repeats and (cfg.mix.mixup_alpha or cfg.mix.cutmix_alpha):
+        raise UserError(
+            f"data.repeats={repeats} fills each global batch of {batch} with copies of one sample, which mixup and "
+            f"CutMix would mix with itself; lower data.repeats to at most {batch // 2} "
+            f"or raise train.global_batch_size to {2 * batch}"
+        )
 
 
 def check_augmentation(d: DataConfig) -> None:

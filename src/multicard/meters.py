@@ -52,7 +52,7 @@ class Sums:
     """Statistics of training samples, summed over ranks."""
 
     loss_sum: float = 0.0  # finite losses, each × its micro-batch's samples
-    correct: float = 0.0  # top-1 hits
+    correct: float = 0.0  # top-1 hits (under mixing: the mixed targets' weight on each predicted class)
     count: float = 0.0  # samples
 
     def __add__(self, other: Sums) -> Sums:
@@ -115,13 +115,18 @@ class TrainMeter:
 
     @torch.no_grad()
     def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """One micro-step's statistics, added on the device."""
+        """One micro-step's statistics, added on the device. `targets`: class indices, or the soft
+        targets of mixup/CutMix (samples × classes), which score a prediction by their weight on its
+        class: λ for the sample's own, 1 − λ for its partner's, 0 for another (the mixup paper's code)."""
         loss = loss.detach()
         finite = torch.isfinite(loss)
-        w = self.window
-        w[LOSS_SUM] += torch.where(finite, loss, 0.0) * targets.numel()
-        w[CORRECT] += (logits.argmax(dim=1) == targets).sum()
-        w[COUNT] += targets.numel()
+        w, samples, predicted = self.window, len(targets), logits.argmax(dim=1)
+        w[LOSS_SUM] += torch.where(finite, loss, 0.0) * samples
+        if targets.is_floating_point():
+            w[CORRECT] += targets.gather(1, predicted.view(-1, 1)).to(w.dtype).sum()
+        else:
+            w[CORRECT] += (predicted == targets).sum()
+        w[COUNT] += samples
         w[NONFINITE] += ~finite
 
     def add_step(self, times: StepTimes) -> None:

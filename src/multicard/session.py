@@ -132,15 +132,18 @@ def start_line(strategy: Strategy, precision: str, split: BatchSplit, what: str)
 
 def announce_start(
     reporter: Reporter, out_dir: Path, config: dict[str, Any], line: str, loop: Loop,
-    resumed: tuple[Path, int] | None, notes: list[str],
+    resumed: tuple[Path, int] | None, notes: list[str], always: list[str] = (),
 ) -> None:  # fmt: skip
     """What every training run writes and says as it starts: metrics.jsonl (continued after the
     checkpoint it resumed, `resumed` = (path, step)) and config.yaml, both once it has trained a
-    step (a run refused before then leaves out_dir as it found it); its start line, where it resumed
-    (or its notes), and that nothing is left to train when it is complete."""
+    step (a run refused before then leaves out_dir as it found it); its start line, the notes said
+    fresh or resumed (`always`), where it resumed (or its `notes`), and that nothing is left to
+    train when it is complete."""
     resumed_at = resumed[1] if resumed is not None else None
     reporter.run_files(out_dir / "metrics.jsonl", resumed_at, {out_dir / "config.yaml": OmegaConf.to_yaml(config)})
     reporter.print(line)
+    for note in always:
+        reporter.print(note)
     if resumed is None:
         for note in notes:
             reporter.print(note)

@@ -244,7 +244,7 @@ class Trainer:
                 logits = logits_for_loss(self.model(x))
                 loss = F.cross_entropy(logits, target, label_smoothing=self.schedule.label_smoothing)
                 loop.backpropagate(loss)
-            self.meter.add(loss, logits, y)
+            self.meter.add(loss, logits, target)  # under mixing: scored against the mixed targets
         loop.optimizer_step()
 
     def reduce_statistics(self) -> None:

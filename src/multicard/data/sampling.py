@@ -52,8 +52,10 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 def repeated_order(perm: torch.Tensor, global_batch: int, repeats: int) -> torch.Tensor:
     """Repeated augmentation: each global batch holds global_batch/repeats samples of `perm`, in
     order, `repeats` times; copy j of sample i is named j·N + i (its augmentation differs) and
-    stands global_batch/repeats positions after copy j-1, so the copies fall on different ranks
-    and never form a mixing pair. The epoch keeps its number of steps (it sees 1/repeats of the
+    stands global_batch/repeats positions after copy j-1. So copies never form a mixing pair
+    (positions 2k, 2k+1) unless the batch is copies of one sample (config.check_repeats refuses
+    that with mixing on), and never share a micro-batch of at most global_batch/repeats samples
+    (copies_in_a_micro_batch). The epoch keeps its number of steps (it sees 1/repeats of the
     samples), as torchvision's and DeiT's repeated-augmentation samplers keep it."""
     num_samples, distinct = len(perm), global_batch // repeats
     steps = num_samples // global_batch
@@ -101,6 +103,36 @@ class ShardedBatchSampler:
             for micro in range(split.grad_accum):
                 start = step * split.global_batch + micro * slice_size + self.rank * split.micro_batch
                 yield perm[start : start + split.micro_batch]
+
+
+def copies_in_a_micro_batch(split: BatchSplit, repeats: int) -> int:
+    """The most copies of one sample in one process's micro-batch (repeated augmentation): 1 when
+    each micro-batch is at most global_batch/repeats, as with world size ≥ repeats and no
+    accumulation (then every copy of a sample is on another rank). Read off the samplers' own layout."""
+    if repeats == 1:
+        return 1
+    step = split.global_batch
+
+    def in_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+        return torch.arange(num_samples)
+
+    most = 1
+    for rank in range(split.world_size):
+        for batch in ShardedBatchSampler(step, split, rank, 0, repeats, order=in_order):
+            most = max(most, int(torch.bincount(batch % step).max()))
+    return most
+
+
+def repeats_note(split: BatchSplit, repeats: int) -> str | None:
+    """A line for the run's start when copies of a sample share a micro-batch (else None)."""
+    copies = copies_in_a_micro_batch(split, repeats)
+    if copies == 1:
+        return None
+    return (
+        f"note: data.repeats={repeats} puts up to {copies} copies of a sample in one process's micro-batch of "
+        f"{split.micro_batch}; copies share none when it holds at most train.global_batch_size/data.repeats = "
+        f"{split.global_batch // repeats} (without accumulation: {repeats} or more processes)"
+    )
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> range:

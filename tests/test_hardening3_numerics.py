@@ -1,0 +1,172 @@
+"""Issue 37 ("Hardening, round 3"), cases 4 and 5: repeated augmentation's copies against mixing
+pairs and micro-batches; speednet's whitening fitted alike at any world size; train top-1 under
+mixing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import TINY, run_here
+from multicard.cli import main
+from multicard.config import MixConfig
+from multicard.data.mixing import StepMix, mixing
+from multicard.data.sampling import BatchSplit, ShardedBatchSampler, copies_in_a_micro_batch, repeats_note
+from multicard.meters import TrainMeter
+from multicard.models import PatchWhitening, patch_moments
+from multicard.phases import PhaseClock
+from multicard.precision import Precision
+from multicard.process_group import ProcessContext
+from multicard.strategy.base import ModelSetup, Strategy
+
+
+def photos(n: int, seed: int = 0) -> torch.Tensor:
+    """Correlated neighbouring pixels and colours, as in photos: a covariance with spread eigenvalues."""
+    generator = torch.Generator().manual_seed(seed)
+    smooth = F.avg_pool2d(torch.randn(n, 1, 34, 34, generator=generator), 3, 1)
+    return smooth.expand(n, 3, 32, 32) + 0.1 * torch.randn(n, 3, 32, 32, generator=generator)
+
+
+# ------------------------------------------------------------------ case 5: the whitening, exactly
+
+
+def test_37_5_patch_moments_are_the_same_bits_in_any_split_and_order():
+    patches = F.unfold(photos(6).double(), 2).transpose(1, 2).reshape(-1, 12)
+    whole = patch_moments(patches, 4.0, 16)
+    order = torch.randperm(len(patches), generator=torch.Generator().manual_seed(1))
+    shuffled = patches[order]
+    parts = [patch_moments(part, 4.0, 16) for part in shuffled.tensor_split([7, 2000, 3001])]
+    assert torch.equal(sum(parts[1:], parts[0]), whole)  # float64 sums of integers below 2^53: exact
+    assert torch.equal(whole, whole.T)
+    rounded = (patches * 2**14).round() / 2**14  # the grid of 16 bits below the unit 4
+    assert torch.allclose(whole * 2.0**-28, rounded.T @ rounded, rtol=1e-13, atol=0)
+
+
+class Ranks:
+    """torch.distributed.all_reduce between threads, each a rank holding its share of the batch."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier, self.slots, self.me = threading.Barrier(world), [torch.empty(0)] * world, threading.local()
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+        self.slots[self.me.rank] = tensor.clone()
+        self.barrier.wait()
+        inputs = torch.stack(self.slots)
+        self.barrier.wait()  # every rank has read before any writes again
+        tensor.copy_(inputs.amax(0) if op == dist.ReduceOp.MAX else inputs.sum(0))
+
+    def fit(self, rank: int, images: torch.Tensor, out: dict[int, torch.Tensor]) -> None:
+        self.me.rank = rank
+        whitening = PatchWhitening().double().train()  # as verify's float64 runs hold it
+        whitening(images)
+        out[rank] = whitening.weight
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_37_5_ddp_ranks_fit_the_whitening_of_one_process_bitwise(monkeypatch, world):
+    """Nearly equal eigenvalues turn their eigenvectors by rounding/gap: a float sum of the
+    covariance in another order moved ddp×2's parameters 1e-9 away from one process's."""
+    batch = photos(32, seed=2)
+    single = PatchWhitening().double().train()
+    single(batch)
+    ranks, fitted = Ranks(world), {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", ranks.all_reduce)
+    shares = batch.tensor_split(world)  # DDP's contiguous shares of the global batch
+    threads = [threading.Thread(target=ranks.fit, args=(r, shares[r], fitted)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(fitted[r], single.weight) for r in range(world))
+
+
+# ------------------------------------------------------------------ case 5: train top-1 under mixing
+
+
+def test_37_5_train_top1_under_mixing_scores_the_mixed_targets():
+    ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
+    meter = TrainMeter(Strategy(ctx, Precision("fp32", "cpu"), ModelSetup()), PhaseClock(ctx.device))
+    logits = torch.tensor([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]])  # predicts 1, 0, 2
+    targets = torch.tensor([[0.3, 0.7, 0.0], [0.3, 0.7, 0.0], [0.0, 0.6, 0.4]])  # λ own + (1 − λ) partner
+    meter.add(torch.tensor(1.0), logits, targets)
+    meter.add(torch.tensor(1.0), logits, torch.tensor([1, 1, 2]))  # unmixed: class indices, as before
+    meter.reduce()
+    assert meter.epoch.correct == pytest.approx(0.7 + 0.3 + 0.4 + 2) and meter.epoch.count == 6
+
+
+# ------------------------------------------------------------------ case 4: copies, pairs, micro-batches
+
+
+def _mixed_targets(split: BatchSplit, repeats: int, mode: str, num_samples: int) -> list[torch.Tensor]:
+    """Every rank's mixed targets of one epoch's micro-steps, each sample its own class; λ near ½
+    (Beta(1000, 1000)), so both members of a pair always keep a visible share."""
+    cfg = MixConfig(mixup_alpha=1000.0, mode=mode)
+    out = []
+    for rank in range(split.world_size):
+        mix = mixing(cfg, split, rank, seed=0, num_classes=num_samples)
+        assert isinstance(mix, StepMix)
+        sampler = ShardedBatchSampler(num_samples, split, rank, seed=0, repeats=repeats)
+        for i, indices in enumerate(sampler):
+            step, micro = divmod(i, split.grad_accum)
+            sample = indices % num_samples
+            _, targets = mix(torch.zeros(len(indices), 1, 2, 2, dtype=torch.float64), sample, 0, step, micro)
+            out.append(targets)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+def test_37_4_copies_never_form_a_mixing_pair_at_any_world_size(mode):
+    """Copies stand B/k positions apart and a pair is positions 2i, 2i+1: with at least two
+    distinct samples per global batch (B/k ≥ 2; odd too), a pair is two different samples."""
+    for batch, repeats in [(32, 16), (32, 8), (24, 8), (36, 12)]:
+        for world, accum in [(1, 1), (2, 1), (2, 2), (4, 1)]:
+            if (batch // (world * accum)) % 2:
+                continue  # an odd micro-batch is refused with mixing on (mixing.check_pairs)
+            for targets in _mixed_targets(BatchSplit(batch, accum, world), repeats, mode, num_samples=2 * batch):
+                assert ((targets > 0).sum(1) == 2).all(), (batch, repeats, world, accum)
+
+
+def test_37_4_a_global_batch_of_one_samples_copies_is_refused_with_mixing(tmp_path, capsys):
+    args = ["train", *TINY, "data.repeats=32", f"out_dir={tmp_path / 'run'}"]
+    assert main([*args, "mix.mixup_alpha=0.2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "multicard: error: data.repeats=32 fills each global batch of 32 with copies of one sample, which mixup "
+        "and CutMix would mix with itself; lower data.repeats to at most 16 or raise train.global_batch_size to 64"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_37_4_copies_share_a_micro_batch_exactly_when_it_holds_more_than_b_over_k():
+    # The issue's runs: B=32 on 2 processes, micro-batches of 16 (4 samples × 4 copies, 2 × 8)
+    assert copies_in_a_micro_batch(BatchSplit(32, 1, 2), 8) == 4
+    assert copies_in_a_micro_batch(BatchSplit(32, 1, 2), 16) == 8
+    assert copies_in_a_micro_batch(BatchSplit(32, 1, 8), 8) == 1  # k processes: every copy on its own rank
+    assert copies_in_a_micro_batch(BatchSplit(32, 2, 2), 4) == 1  # micro-batch 8 = B/k, over accumulation
+    assert copies_in_a_micro_batch(BatchSplit(24, 1, 4), 6) == 2  # 6 > B/k = 4: ⌈6/4⌉
+    assert repeats_note(BatchSplit(32, 1, 8), 8) is None and repeats_note(BatchSplit(32, 1, 2), 1) is None
+    assert repeats_note(BatchSplit(32, 1, 2), 8) == (
+        "note: data.repeats=8 puts up to 4 copies of a sample in one process's micro-batch of 16; copies share "
+        "none when it holds at most train.global_batch_size/data.repeats = 4 (without accumulation: 8 or more "
+        "processes)"
+    )
+
+
+def test_37_4_and_5_a_mixed_repeated_run_notes_its_copies_and_scores_the_mixed_targets(tmp_path, monkeypatch):
+    seen = []
+    add = TrainMeter.add
+    monkeypatch.setattr(TrainMeter, "add", lambda self, loss, logits, t: (seen.append(t), add(self, loss, logits, t)))
+    out = run_here("train", *TINY, "data.repeats=2", "mix.mixup_alpha=0.2", "train.max_steps=2",
+                   "data.train_size=64", "data.val_size=16", f"out_dir={tmp_path}")  # fmt: skip
+    assert "note: data.repeats=2 puts up to 2 copies of a sample in one process's micro-batch of 32" in out
+    assert len(seen) == 2 and all(t.shape == (32, 10) and t.is_floating_point() for t in seen)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    hits = [r for r in records if r.get("kind") == "epoch"][-1]["train_top1"] * 64 / 100  # exact: 64 = 2^6
+    assert hits != round(hits)  # credit λ or 1 − λ: not a whole number of samples
