@@ -206,17 +206,8 @@ class Training:
         raise stopped
 
     def _attach_scheduler(self, scheduler: Any) -> None:
-        loop = self.loop
-        if loop.scheduler is not None:
-            raise UserError("run.step got another scheduler than before; pass the same one at every step")
-        if getattr(scheduler, "optimizer", loop.optimizer) is not loop.optimizer:
-            raise UserError("the scheduler steps another optimizer than run.setup returned; build it from that one")
-        loop.scheduler = scheduler
-        if self._scheduler_state is not None:  # a resumed run: continue the schedule where it was
-            scheduler.load_state_dict(self._scheduler_state)
-            for group, lr in zip(loop.optimizer.param_groups, scheduler.get_last_lr(), strict=False):
-                group["lr"] = lr
-            self._scheduler_state = None
+        attach_scheduler(self.loop, scheduler, self._scheduler_state)
+        self._scheduler_state = None
 
     def save(self) -> Any:
         self._require_training("run.save()")
@@ -242,3 +233,16 @@ class Training:
             self.finish(None)
         for loader in self.loaders:
             loader.close()
+
+
+def attach_scheduler(loop: Loop, scheduler: Any, saved: dict[str, Any] | None) -> None:
+    """The LR scheduler the user's first run.step gives; in a resumed run, at the `saved` state."""
+    if loop.scheduler is not None:
+        raise UserError("run.step got another scheduler than before; pass the same one at every step")
+    if getattr(scheduler, "optimizer", loop.optimizer) is not loop.optimizer:
+        raise UserError("the scheduler steps another optimizer than run.setup returned; build it from that one")
+    loop.scheduler = scheduler
+    if saved is not None:  # continue the schedule where it was, with the learning rates it had set
+        scheduler.load_state_dict(saved)
+        for group, lr in zip(loop.optimizer.param_groups, scheduler.get_last_lr(), strict=False):  # type: ignore[union-attr]
+            group["lr"] = lr
