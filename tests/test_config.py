@@ -69,3 +69,16 @@ def test_parse_devices():
     assert parse_devices("auto") == []
     assert parse_devices(1) == [1]
     assert parse_devices([2, 0]) == [2, 0]
+
+
+def test_a_url_for_a_path_is_one_line_and_makes_no_local_folder(tmp_path, monkeypatch, capsys):
+    """s3://bucket/x as out_dir, data.root or pack --out was a folder named `s3:` here (issue 35)."""
+    from multicard.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for args in (["train", "out_dir=s3://bucket/run"], ["train", "data.name=shards", "data.root=gs://b/pack"],
+                 ["pack", "--out", "s3://bucket/x"], ["eval", "--checkpoint", "az://c/last.pt"]):  # fmt: skip
+        assert main(args) == 2
+        line = capsys.readouterr().err.strip()
+        assert "://" in line and "is a URL" in line and "\n" not in line, line
+    assert list(tmp_path.iterdir()) == []

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from multicard.config import load_config, parse_devices
+from multicard.config import check_local_path, load_config, parse_devices
 from multicard.errors import ExitCode, MulticardError, UserError
 from multicard.exits import report_error
 from multicard.launch import LaunchOptions, check_cpu_capacity, launch_workers
@@ -368,10 +368,21 @@ def _export(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _check_local_paths(args: argparse.Namespace) -> None:
+    """The command line's own paths are local ones (config paths: config.check_paths)."""
+    for flag in ("checkpoint", "out", "verify", "keep", "config"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str):
+            check_local_path(value, f"--{flag}")
+    for run_dir in getattr(args, "runs", None) or []:
+        check_local_path(run_dir, "RUN_DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     die_with_launcher(detect_env())
     try:
+        _check_local_paths(args)
         commands_by_name = {
             "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
             "plan": _plan, "pack": _pack, "input-split": _input_split, "run": _run,

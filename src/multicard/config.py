@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,6 +378,30 @@ def _expand_home(cfg: Config) -> Config:
     )
 
 
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://... (s3://, gs://, az://, https://, file://)
+
+
+def check_local_path(value: str | None, name: str) -> None:
+    """A path multicard reads or writes is a local one (a mounted filesystem counts): a URL is one
+    line, never a local folder named after its scheme (s3:/bucket/... in the working directory)."""
+    match = URL.match(value or "")
+    if match:
+        given = f"{name} {value}" if name.startswith("-") else f"{name}={value}"
+        raise UserError(
+            f"{given} is a URL ({match[1]}://); multicard reads and writes local paths only (a mounted "
+            f"filesystem works): copy the data or mount the bucket, and give its local path"
+        )
+
+
+def check_paths(cfg: Config) -> None:
+    """Every path of the config is local (check_local_path)."""
+    resume = cfg.train.resume if cfg.train.resume not in ("auto", "never") else None
+    for name, value in (("out_dir", cfg.out_dir), ("data.root", cfg.data.root), ("data.val_root", cfg.data.val_root),
+                        ("data.cache_dir", cfg.data.cache_dir), ("model.weights", cfg.model.weights),
+                        ("train.resume", resume)):  # fmt: skip
+        check_local_path(value, name)
+
+
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UserError(f"{name}={value} is not one of {', '.join(choices)}")
@@ -408,6 +433,7 @@ def _within(value: float, name: str, lo: float, hi: float, hi_open: bool = True)
 def validate(cfg: Config) -> None:
     """Range and choice checks that the types alone do not express."""
     _finite(cfg)
+    check_paths(cfg)
     _choice(cfg.strategy, "strategy", STRATEGIES)
     _choice(cfg.precision, "precision", PRECISIONS)
     _choice(cfg.optim.name, "optim.name", OPTIMIZERS)

@@ -563,10 +563,11 @@ def _check_header(index: Index, split_name: str, i: int, data: bytes, shard: Pat
 def run_pack(config: str | None, overrides: list[str], out: str | None, verify: str | None, shard_mb: float,
              workers: int) -> str:  # fmt: skip
     """What `multicard pack` does; its one-line summary."""
-    from multicard.config import load_config
+    from multicard.config import check_local_path, load_config
     from multicard.data import read_splits
     from multicard.preflight import check_output_folder
 
+    check_local_path(out or verify, "--out" if out else "--verify")
     if verify:
         return verify_pack(Path(verify))
     if not out:

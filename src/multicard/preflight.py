@@ -9,7 +9,7 @@ from pathlib import Path
 
 from multicard.atomic import probe_write
 from multicard.checkpoint import check_resume_settings
-from multicard.config import Config, to_dict
+from multicard.config import Config, check_local_path, to_dict
 from multicard.errors import UserError
 from multicard.telemetry import check_tensorboard_folder, tensorboard_writer
 from multicard.tracking import check_trackers
@@ -32,6 +32,7 @@ def check_output_folder(path: str, flag: str) -> None:
     line now, not a traceback after minutes of measuring. Nothing is created here; a file is
     written and removed in the folder (or its nearest existing parent) to see, as permission bits
     do not tell (root, read-only mounts)."""
+    check_local_path(path, flag)
     out = Path(path).expanduser()
     where = next(folder for folder in (out, *out.parents) if folder.exists())
     if not where.is_dir():
