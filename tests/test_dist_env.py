@@ -1,9 +1,10 @@
 import pytest
 
+from conftest import TINY, cli
 from multicard import process_group, topology
 from multicard.config import load_config
 from multicard.errors import UserError
-from multicard.process_group import detect_env, expand_hostlist, select_interface, tasks_on_node
+from multicard.process_group import NodeTopology, detect_env, expand_hostlist, select_interface, tasks_on_node
 
 
 def test_plain_process_is_world_size_one():
@@ -134,3 +135,27 @@ def test_single_strategy_refuses_several_processes():
     assert topology.resolve_strategy("auto", env.launched, env.world_size) == "ddp"
     plain = detect_env({})
     assert topology.resolve_strategy("auto", plain.launched, plain.world_size) == "single"
+
+
+def test_cloud_launchers_describe_the_node_in_their_variables():
+    """A Kubeflow TrainJob (PET_*: torchrun's own variables) or a SkyPilot task (SKYPILOT_*) runs one
+    `multicard train` per node: multicard's launcher takes the topology from them (issue 35)."""
+    from multicard.process_group import node_topology
+
+    kubeflow = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
+                "PET_MASTER_ADDR": "trainjob-node-0-0", "PET_MASTER_PORT": "29400"}  # fmt: skip
+    assert node_topology(kubeflow) == NodeTopology("kubeflow", 4, 2, 1, "trainjob-node-0-0", 29400)
+    assert node_topology({**kubeflow, "PET_NPROC_PER_NODE": "auto"}).nproc_per_node is None  # one per GPU
+    sky = {"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": "2",
+           "SKYPILOT_NUM_GPUS_PER_NODE": "8"}  # fmt: skip
+    assert node_topology(sky) == NodeTopology("skypilot", 8, 2, 0, "10.0.0.5", 29400)
+    assert node_topology({}) is None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_trainjob_node_starts_its_workers_from_the_pet_variables(tmp_path):
+    env = {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "127.0.0.1"}
+    result = cli("train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "strategy=ddp world_size=2" in result.stdout

@@ -29,6 +29,7 @@ from multicard.process_group import (
     detect_env,
     die_with_launcher,
     end_process,
+    node_topology,
     resolve_gpus,
 )
 from multicard.run_lock import RunLock
@@ -231,7 +232,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
     if args.nproc_per_node is None:
-        return None
+        return _cloud_options(args, env)
     if env.launched:
         raise UserError(f"--nproc-per-node starts workers, but this process is already one ({env.source}); drop it")
     return LaunchOptions(
@@ -240,6 +241,24 @@ def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions 
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        rdzv_timeout=args.rdzv_timeout,
+        oversubscribe=args.oversubscribe,
+    )
+
+
+def _cloud_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
+    """This node's workers as a Kubeflow TrainJob or a SkyPilot task describes the job (one command
+    per node, no launcher flags), or None: a plain process, or one a launcher already started."""
+    node = node_topology()
+    if node is None or env.launched:
+        return None
+    return LaunchOptions(
+        nproc_per_node=node.nproc_per_node or max(1, len(resolve_gpus([]))),
+        nnodes=node.nnodes,
+        node_rank=node.node_rank,
+        master_addr=node.master_addr if node.nnodes > 1 else None,
+        master_port=node.master_port if node.nnodes > 1 else None,
         max_restarts=args.max_restarts,
         rdzv_timeout=args.rdzv_timeout,
         oversubscribe=args.oversubscribe,

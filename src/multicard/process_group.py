@@ -189,6 +189,41 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
     return ProcessEnv(source="none")
 
 
+@dataclass(frozen=True)
+class NodeTopology:
+    """How a cloud launcher that starts one command per node describes the job, for multicard's own
+    launcher to start this node's workers: a Kubeflow TrainJob/PyTorchJob (PET_*, the variables
+    torchrun reads for its flags) or a SkyPilot task (SKYPILOT_*)."""
+
+    source: str  # kubeflow | skypilot
+    nproc_per_node: int | None  # None: one per GPU in use (one on CPU)
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+SKYPILOT_PORT = 29400  # a SkyPilot task names its nodes' addresses, not a port: the rendezvous takes this one
+
+
+def node_topology(environ: Mapping[str, str] = os.environ) -> NodeTopology | None:
+    """The topology a cloud launcher gave this node's one command in its environment, or None."""
+    if "PET_NNODES" in environ and "PET_MASTER_ADDR" in environ:
+        per_node = environ.get("PET_NPROC_PER_NODE", "auto")
+        return NodeTopology(
+            "kubeflow", _int(environ, "PET_NPROC_PER_NODE") if per_node.isdigit() else None,
+            _int(environ, "PET_NNODES"), _int(environ, "PET_NODE_RANK", default=0), environ["PET_MASTER_ADDR"],
+            _int(environ, "PET_MASTER_PORT", default=29500),
+        )  # fmt: skip
+    if "SKYPILOT_NODE_IPS" in environ and "SKYPILOT_NODE_RANK" in environ:
+        gpus = _int(environ, "SKYPILOT_NUM_GPUS_PER_NODE", default=0)
+        return NodeTopology(
+            "skypilot", gpus or None, _int(environ, "SKYPILOT_NUM_NODES", default=1),
+            _int(environ, "SKYPILOT_NODE_RANK"), environ["SKYPILOT_NODE_IPS"].split()[0], SKYPILOT_PORT,
+        )  # fmt: skip
+    return None
+
+
 def end_process(code: int) -> NoReturn:
     """End this process now, its output flushed, without the interpreter's shutdown: for a rank
     that failed (its peers must not see its connections close before the launcher hears of it),
