@@ -47,7 +47,7 @@ COMMON = [
 ]  # fmt: skip
 STEPS = 192 // 32
 
-# The dataset function of README's "Your own data", with knobs for the tests: `form` chooses what an
+# The dataset function of docs/datasets.md's "Your own data", with knobs for the tests: `form` chooses what an
 # item's image is, `bad` breaks one item, `val_classes` renames the validation split's classes.
 MODULE = """
 import csv
@@ -414,8 +414,8 @@ def test_hf_without_the_extra_names_it(tmp_path, monkeypatch):
 
 
 def test_readme_example_function_runs_as_printed(photos, tmp_path):
-    """The 10-line function in README's "Your own data" reads a CSV of paths and labels."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The 10-line function in docs/datasets.md's "Your own data" reads a CSV of paths and labels."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "datasets.md").read_text()
     code = readme.split("<!-- your-own-data -->", 2)[1].split("```python", 1)[1].split("```", 1)[0]
     (tmp_path / "readme_data.py").write_text(textwrap.dedent(code))
     sys.path.insert(0, str(tmp_path))

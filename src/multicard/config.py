@@ -44,7 +44,7 @@ MIX_MODES = ("batch", "pair", "elem")  # mix.mode
 class DataConfig:
     # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder | shards (a folder `multicard pack` wrote,
     # data/shards.py) | hf (a Hugging Face dataset at data.root:
-    # save_to_disk or parquet files) | package.module:function (your own dataset function; README, Your own data)
+    # save_to_disk or parquet files) | package.module:function (your own dataset function; docs/datasets.md, Your own data)
     name: str = "synthetic"
     kwargs: dict[str, Any] = field(default_factory=dict)  # package.module:function: its keyword arguments
     hf_image: str = "image"  # hf: the image column
@@ -228,7 +228,7 @@ class DebugConfig:
 class LogConfig:
     tensorboard: bool = False  # scalars in out_dir/tensorboard (rank 0; pip install 'multicard[tensorboard]')
     # Experiment trackers, rank 0, TensorBoard's scalars at its steps plus config, final metrics, report
-    # figure (README, Tracking). MLflow: pip install 'multicard[mlflow]'
+    # figure (docs/tracking.md). MLflow: pip install 'multicard[mlflow]'
     mlflow: bool = False
     mlflow_uri: str | None = None  # tracking URI; None: MLFLOW_TRACKING_URI, else out_dir/mlruns
     mlflow_experiment: str | None = None  # None: MLFLOW_EXPERIMENT_NAME, else multicard
