@@ -43,8 +43,8 @@ MIX_MODES = ("batch", "pair", "elem")  # mix.mode
 @dataclass(frozen=True)
 class DataConfig:
     # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder | shards (a folder `multicard pack` wrote,
-    # data/shards.py) | hf (a Hugging Face dataset at data.root:
-    # save_to_disk or parquet files) | package.module:function (your own dataset function; docs/datasets.md, Your own data)
+    # data/shards.py) | hf (a Hugging Face dataset at data.root: save_to_disk or parquet files) |
+    # package.module:function (your own dataset function; docs/datasets.md, Your own data)
     name: str = "synthetic"
     kwargs: dict[str, Any] = field(default_factory=dict)  # package.module:function: its keyword arguments
     hf_image: str = "image"  # hf: the image column
