@@ -264,6 +264,7 @@ def test_state_a_checkpoint_cannot_hold_and_options_that_set_an_argument_are_one
         multicard.Run("unused", global_batch_size=4, options={"train.grad_accum": 2})
 
 
+@pytest.mark.distributed  # its fixture trains under ddp×2 too
 def test_eval_refuses_and_export_writes_a_checkpoint_of_a_scripts_loop(uninterrupted, tmp_path, capsys):
     from multicard.cli import main
 
