@@ -2,13 +2,18 @@
 process and step time, for several models × micro-batch sizes × strategies, from one run.
 
 Each (model, micro-batch) is planned and measured by what `multicard plan --gpu cpu --gpus 2 --measure`
-runs (plan/measure.py's measure_here): single at that micro-batch; ddp and fsdp ZeRO-3 with 2 processes
-at that micro-batch each, so the measured steps are multicard's own loop. Memory: the profiler's allocation peak
-(CPU). Time: wall time of a step, the fastest of --steps and their median (other work on a shared
-machine slows some steps); calibrate first (--calibrate) for meaningful times.
+runs (plan/measure.py's measure_here): single at that micro-batch; ddp, ZeRO-1 (ddp + shard_optimizer),
+fsdp ZeRO-2 and ZeRO-3 with 2 processes at that micro-batch each, so the measured steps are multicard's
+own loop. Memory: the profiler's allocation peak (CPU). Time: wall time of a step, the fastest of
+--steps and their median (other work on a shared machine slows some steps); calibrate first
+(--calibrate) for meaningful times.
 
-    python bench/plan_accuracy.py [--calibrate] [--quick] [--strategies single,ddp,zero3] [--out runs/plan-accuracy]
+    python bench/plan_accuracy.py [--calibrate] [--quick] [--strategies single,ddp,zero1,zero2,zero3]
+                                  [--model NAME --image-size PX --micro-batches 8,16] [--out runs/plan-accuracy]
     python bench/plan_accuracy.py --rescore runs/plan-accuracy/accuracy.json
+
+--model (with --image-size and --micro-batches) measures that model instead of CASES; KEY=VALUE
+arguments are added to every case's config (e.g. model.kwargs.width=2048).
 
 --rescore predicts the measured rows of an earlier run again with the planner as it is now and
 this machine's calibration (the measurements are kept; only the predictions change).
@@ -32,7 +37,7 @@ CASES = [  # (model, image size, two micro-batch sizes)
     ("torchvision.models:efficientnet_b0", 224, (8, 16)),
 ]
 QUICK = [("resnet18", 64, (8, 16))]
-RUNS = [("single", 1), ("ddp,zero3", 2)]  # (strategies, processes): every process at the same micro-batch
+RUNS = [("single", 1), ("ddp,zero1,zero2,zero3", 2)]  # (strategies, processes): every process at one micro-batch
 
 
 def print_row(r: dict) -> None:
@@ -42,17 +47,18 @@ def print_row(r: dict) -> None:
           flush=True)  # fmt: skip
 
 
-def overrides_of(model: str, size: int, micro: int, processes: int) -> list[str]:
+def overrides_of(model: str, size: int, micro: int, processes: int, more: list[str]) -> list[str]:
     return [f"model.name={model}", f"data.image_size={size}", f"train.global_batch_size={micro * processes}",
-            "optim.name=adamw"]  # fmt: skip
+            "optim.name=adamw", *more]  # fmt: skip
 
 
-def measure_case(model: str, size: int, micro: int, strategies: str, processes: int, steps: int) -> dict:
+def measure_case(model: str, size: int, micro: int, strategies: str, processes: int, steps: int,
+                 more: list[str]) -> dict:  # fmt: skip
     """What `multicard plan --gpu cpu --gpus P --measure --strategies S` measures, by strategy key."""
     from multicard.config import load_config
     from multicard.plan.measure import measure_here
 
-    overrides = overrides_of(model, size, micro, processes)
+    overrides = overrides_of(model, size, micro, processes, more)
     return measure_here(load_config(None, overrides), None, overrides, gpus=processes, steps=steps,
                         strategies=strategies.split(","))  # fmt: skip
 
@@ -65,7 +71,8 @@ def predict(row: dict, steps: int) -> tuple[float, float]:
     from multicard.plan.measure import local_target, measurement_config
     from multicard.plan.planner import make_plan
 
-    overrides = overrides_of(row["model"], row["image_size"], row["micro_batch"], row["processes"])
+    overrides = overrides_of(row["model"], row["image_size"], row["micro_batch"], row["processes"],
+                             row.get("overrides", []))  # fmt: skip
     cfg = measurement_config(load_config(None, overrides), steps)
     try:
         target = local_target(row["processes"])
@@ -80,7 +87,11 @@ def main() -> int:
     p.add_argument("--calibrate", action="store_true", help="run multicard plan --calibrate first")
     p.add_argument("--quick", action="store_true", help="one small case (a smoke test of this script)")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--strategies", default="single,ddp,zero3", help="measure only these (e.g. zero3)")
+    p.add_argument("--strategies", default="single,ddp,zero1,zero2,zero3", help="measure only these (e.g. zero2)")
+    p.add_argument("--model", help="measure this model (model.name) instead of the listed cases")
+    p.add_argument("--image-size", type=int, default=64, help="--model: data.image_size")
+    p.add_argument("--micro-batches", default="8,16", help="--model: micro-batch sizes, comma-separated")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more config overrides for every case")
     p.add_argument("--out", type=Path, default=Path("runs/plan-accuracy"))
     p.add_argument("--rescore", type=Path, help="accuracy.json of an earlier run: predict its rows again")
     args = p.parse_args()
@@ -97,17 +108,19 @@ def main() -> int:
           f"{'pred s':>7} {'min s':>7} {'ratio':>6} {'median':>7} {'ratio':>6}", flush=True)  # fmt: skip
     if args.rescore:
         stored = json.loads(args.rescore.read_text())["rows"]
-    for model, size, micros in [] if args.rescore else QUICK if args.quick else CASES:
+    own = [(args.model, args.image_size, tuple(int(m) for m in args.micro_batches.split(",")))] if args.model else None
+    for model, size, micros in [] if args.rescore else QUICK if args.quick else own or CASES:
         for micro in micros:
             for run_strategies, processes in RUNS:
                 strategies = ",".join(k for k in run_strategies.split(",") if k in args.strategies.split(","))
                 if not strategies:
                     continue
-                measured = measure_case(model, size, micro, strategies, processes, args.steps)
+                measured = measure_case(model, size, micro, strategies, processes, args.steps, args.overrides)
                 for key, m in measured.items():
                     if key not in strategies.split(","):
                         continue
                     row = {"model": model, "image_size": size, "micro_batch": micro, "strategy": key,
+                           "overrides": args.overrides,
                            "processes": processes, **m}  # fmt: skip
                     if m.get("ok"):
                         row["memory_ratio"] = m["predicted_tensor_bytes"] / m["peak_bytes"]

@@ -17,9 +17,12 @@ peak is the maximum over ops of the rewritten total, split into components at th
 - FSDP (ZeRO-3 / ZeRO-2, HSDP): parameters, gradients and optimizer state sharded over the
   shard group; each unit's parameters gathered whole while it runs (ZeRO-3: its forward and
   backward, the next unit prefetched in backward; ZeRO-2: from its forward to the end of its
-  backward); a unit's gradients whole from their arrival until its reduce-scatter, then a
-  shard; the optimizer runs fused on shards where torch can (AdamW), else unfused (its
-  temporaries traced).
+  backward); what FSDP2 keeps for its communication: each unit's forward all-gather output
+  until the next unit's parameters are copied out (the last until the forward ends), and each
+  unit's reduce-scatter input until the next unit's reduce-scatter (the last until backward
+  ends); a unit's gradients whole from their arrival until its reduce-scatter, then a shard;
+  the optimizer runs fused on shards where torch can (AdamW), else unfused (its temporaries
+  traced). gloo (CPU) also copies for a moment: an all-gather's output, a reduce-scatter's input.
 
 Gradient accumulation (grad_accum > 1): every micro-step after the first holds the whole
 gradients from its start (FSDP: unsharded, as no_sync keeps them).
@@ -101,35 +104,82 @@ def _shard(trace: StepTrace, world: int, attr: str) -> float:
     return total
 
 
-def _unit_masks(model: StepModel, layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """FSDP per op: (bytes of whole parameters held, gradient bytes already reduce-scattered,
-    momentary buffers: the flat all-gather output while it is copied out to the parameters,
-    and the flat reduce-scatter input beside the whole gradients it is copied from)."""
-    units = model.trace.units
+@dataclass
+class _FSDPHeld:
+    """What FSDP2 holds beyond the shards, per op: unsharded parameters (`whole`), gradient bytes
+    already reduce-scattered to shards (`reduced`), and its communication buffers (`buffers`)."""
+
+    whole: np.ndarray
+    reduced: np.ndarray
+    buffers: np.ndarray
+
+
+def _fsdp_held(model: StepModel, layout: Layout) -> _FSDPHeld:
+    """What FSDP2 holds beyond the shards at every op of the step, unit by unit."""
     ops = model.ops
-    whole = np.zeros(ops)
-    reduced = np.zeros(ops)
-    spikes = np.zeros(ops)
+    held = _FSDPHeld(np.zeros(ops), np.zeros(ops), np.zeros(ops))
     scale = ELEMENT[layout.precision] / 4 if layout.precision in ("bf16", "fp16") else 1.0
-    backward_order = sorted((u for u in units if u.bwd[0] >= 0), key=lambda u: u.bwd[0])
-    prefetch_from = {id(u): (prev.bwd[0] if prev is not None else u.bwd[0])
-                     for prev, u in zip([None, *backward_order[:-1]], backward_order, strict=True)}  # fmt: skip
-    for u in units:
+    _forward_gathers(model, layout, held, scale)
+    if layout.reshard_after_forward:
+        _backward_gathers(model, layout, held, scale)
+    _reduce_scatters(model, layout, held, scale)
+    return held
+
+
+def _forward_gathers(model: StepModel, layout: Layout, held: _FSDPHeld, scale: float) -> None:
+    """Each unit's forward all-gather: its flat output and the unsharded parameters copied out
+    of it. FSDP keeps the output until the next unit's parameters are copied out of theirs (so
+    one all-gather overlaps the previous copy-out), the last one until the root's forward ends.
+    The parameters stay whole until the unit's forward ends (ZeRO-3; the root too, as multicard
+    sets reshard_after_forward on every unit) or its backward ends (ZeRO-2). gloo's all-gather
+    also fills a temporary of the output's size, before the parameters exist: no higher than
+    the copy-out."""
+    root = model.trace.units[-1]
+    ran = sorted((u for u in model.trace.units if u.fwd[0] >= 0), key=lambda u: u.fwd[0])
+    for u, after in zip(ran, [*ran[1:], None], strict=True):
         gathered = u.param_bytes * scale
-        if u.fwd[0] >= 0:
-            spikes[u.fwd[0]] += gathered
-            if layout.reshard_after_forward:
-                whole[u.fwd[0] : u.fwd[1] + 1] += gathered
-                if u.bwd[0] >= 0:
-                    whole[prefetch_from[id(u)] : u.bwd[1] + 1] += gathered
-                    spikes[prefetch_from[id(u)]] += gathered
-            else:
-                end = u.bwd[1] if u.bwd[1] >= 0 else ops - 1
-                whole[u.fwd[0] : end + 1] += gathered
-        if u.bwd[1] >= 0:
-            spikes[u.bwd[1]] += u.param_bytes  # reduce-scatter input, in fp32 (the reduce dtype)
-            reduced[u.bwd[1] + 1 :] += u.param_bytes  # gradients in the parameters' dtype
-    return whole, reduced, spikes
+        end = u.fwd[1] if layout.reshard_after_forward else (u.bwd[1] - 1 if u.bwd[1] >= 0 else model.ops - 1)
+        held.whole[u.fwd[0] : end + 1] += gathered
+        output_until = after.fwd[0] if after is not None else root.fwd[1]
+        held.buffers[u.fwd[0] : output_until + 1] += gathered
+
+
+def _backward_gathers(model: StepModel, layout: Layout, held: _FSDPHeld, scale: float) -> None:
+    """ZeRO-3 gathers each unit again for its backward, prefetched when the unit before it in
+    backward order starts its own: the flat output from then, the parameters copied out of it
+    (the output then freed) when the unit's backward starts, whole until it ends. At that start
+    the output and the parameters are both live for a moment, then the next prefetch begins
+    (gloo: beside its temporary)."""
+    order = sorted((u for u in model.trace.units if u.bwd[0] >= 0), key=lambda u: u.bwd[0])
+    for before, u, after in zip([None, *order[:-1]], order, [*order[1:], None], strict=True):
+        following = after.param_bytes * scale if after is not None else 0.0
+        temporary = 0.0 if layout.cuda else following
+        gathered = u.param_bytes * scale
+        start = before.bwd[0] if before is not None else u.bwd[0]
+        held.whole[start : u.bwd[1]] += gathered
+        held.buffers[u.bwd[0]] += max(0.0, gathered - following, temporary)
+
+
+def _reduce_scatters(model: StepModel, layout: Layout, held: _FSDPHeld, scale: float) -> None:
+    """Once a unit's last gradient has arrived (before op bwd[1]): its parameters resharded, the
+    previous unit's reduce-scatter input released, its own allocated (the reduce dtype, fp32) and
+    the gradients copied in and freed; the output is the gradient shard (gloo also copies the
+    input for the collective). FSDP keeps the input until the next unit's reduce-scatter (the
+    last until backward ends). Those moments are counted at the op before, whose parameters,
+    gradients and previous input they replace."""
+    end_of_backward = int(np.flatnonzero(model.forward_backward).max())
+    order = sorted((u for u in model.trace.units if u.bwd[1] > 0), key=lambda u: u.bwd[1])
+    released = 0.0  # the previous unit's input, freed as this unit's reduce-scatter begins
+    for u, after in zip(order, [*order[1:], None], strict=True):
+        grads, shard = float(u.param_bytes), u.param_bytes / layout.shard
+        copy = 0.0 if layout.cuda else grads
+        done = u.bwd[1]
+        counted = u.param_bytes * scale + grads + released
+        held.buffers[done - 1] += max(0.0, grads + grads - counted, grads + shard + copy - counted)
+        held.reduced[done:] += grads
+        until = after.bwd[1] if after is not None else end_of_backward + 1
+        held.buffers[done:until] += grads
+        released = grads
 
 
 def timeline(model: StepModel, layout: Layout, n: float) -> dict[str, np.ndarray]:
@@ -159,13 +209,13 @@ def timeline(model: StepModel, layout: Layout, n: float) -> dict[str, np.ndarray
         if layout.kind == "zero1":
             optimizer[:] = zero1_state_share(trace, layout.shard)
     elif layout.kind == "fsdp":
-        whole, reduced, spikes = _unit_masks(model, layout)
+        held = _fsdp_held(model, layout)
         w = layout.shard
-        params = np.full(model.ops, _shard(trace, w, "nbytes") + trace.buffer_bytes) + whole
-        buckets = spikes
+        params = np.full(model.ops, _shard(trace, w, "nbytes") + trace.buffer_bytes) + held.whole
+        buckets = held.buffers
         optimizer[:] = _shard(trace, w, "state_bytes")
         # whole gradients until their unit's reduce-scatter, a shard after it (no_sync keeps them whole)
-        grads = grads - reduced + reduced / w
+        grads = grads - held.reduced + held.reduced / w
         grads = np.where(opt_phase, _shard(trace, w, "nbytes"), grads)
         key = "foreach" if layout.cuda else "loop"
         temporaries = np.where(opt_phase, trace.optimizer_temps.get(key, 0) / w, temporaries)

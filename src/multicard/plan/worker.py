@@ -2,8 +2,9 @@
 
 The run is built by `session.open_session`, exactly as `multicard train` builds it, and
 driven by `Trainer.fit`: first `memory_steps` steps with memory measured (CPU: the profiler's
-allocation events from before the session is built; CUDA: torch.cuda.max_memory_allocated),
-then `warmup` untimed and `steps` timed steps. Rank 0 writes every rank's numbers as JSON.
+allocation events from before the session is built, through the first warm-up step; CUDA:
+torch.cuda.max_memory_allocated), then `warmup` untimed and `steps` timed steps. Rank 0 writes
+every rank's numbers as JSON.
 """
 
 from __future__ import annotations
@@ -54,23 +55,16 @@ def run_rank(
     env = detect_env()
     cuda = bool(resolve_gpus(parse_devices(cfg.devices)))
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profile_memory and not cuda else None
+    # record_shapes: which ops used each block (window_peak places frees the profiler could not see)
+    profiled = profile_memory and not cuda
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) if profiled else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     elif prof is not None:
         prof.start()
     with open_session(cfg, env) as s:
-        with record_function(MARKER):
-            s.trainer.fit([], until=memory_steps, validate=False)
-        rss = peak_rss()
-        peak, before = 0, 0
-        if cuda:
-            peak = torch.cuda.max_memory_allocated(s.ctx.device)
-        elif prof is not None:
-            prof.stop()
-            peak, before = window_peak(prof, MARKER)
-            prof = None
-        timer = StepTimer(s.ctx.device, warmup)
+        peak, before, rss, warmed = _memory_steps(s, memory_steps, warmup, cuda, prof)
+        timer = StepTimer(s.ctx.device, warmup - warmed)
         s.trainer.fit([timer], until=memory_steps + warmup + steps, validate=False)
         timed = timer.times
         mine = {
@@ -92,6 +86,25 @@ def run_rank(
         if s.ctx.world_size > 1:  # the raw collective's time, for calibrate's bandwidth fit
             allreduce = {n: raw_allreduce_ms(n, s.ctx.device) for n in allreduce_bytes or []}
         return {"ranks": ranks, "allreduce_ms": allreduce} if s.ctx.is_main else None
+
+
+def _memory_steps(s: Any, memory_steps: int, warmup: int, cuda: bool, prof: Any) -> tuple[int, int, int, int]:
+    """(peak tensor bytes of the memory steps, bytes live before them, peak resident memory after
+    them, warm-up steps run here). On a CPU the warm-up step still runs profiled: what it uses was
+    alive through the memory steps (profiled_peak places the frees the profiler cannot see by
+    each block's last use)."""
+    with record_function(MARKER):
+        s.trainer.fit([], until=memory_steps, validate=False)
+    rss = peak_rss()
+    if cuda:
+        return torch.cuda.max_memory_allocated(s.ctx.device), 0, rss, 0
+    if prof is None:
+        return 0, 0, rss, 0
+    warmed = min(1, warmup)
+    s.trainer.fit([], until=memory_steps + warmed, validate=False)
+    prof.stop()
+    peak, before = window_peak(prof, MARKER)
+    return peak, before, rss, warmed
 
 
 def main(argv: list[str]) -> int:
