@@ -1,16 +1,20 @@
 """What multicard.Run costs a user's loop: seconds per step of the same training written as a plain
-hand-written PyTorch loop (DDP, DistributedSampler, DataLoader, GradScaler-free fp32 step) and with
+hand-written PyTorch loop (DDP, DistributedSampler, DataLoader, an fp32 step) and with
 multicard.Run (run.setup, run.loader, run.backward, run.step, run.log), side by side.
 
-Both run the same model on the same in-memory data, in one process or as ddp×2 under torchrun, in
-alternating order (plain, library, library, plain, ...) so that a drifting machine favours neither;
-each times its steps after a warm-up, inside the process, with nothing else in the window (the
-Run's checkpoints fall outside it).
+Side by side means step by step: each process holds both loops (two copies of the same model on
+the same in-memory data) and alternates them, one step of each in turn (which one goes first
+alternates too), timing every step. This machine's step time wanders by ±20% within seconds (a
+shared VM), so loops timed in separate runs minutes apart differ by more than what is measured here;
+interleaved, both meet the same moments. What the Run adds outside the steps is counted too: its
+stall watchdog thread's CPU time (read from /proc) is added to the library's CPU time. Both loops'
+steps include fetching their batch; the Run's epoch-end checkpoint falls outside the window.
 
-    python bench/library_overhead.py [--repeats 5] [--world-sizes 1,2] [--steps 40] [--batch 64]
+    python bench/library_overhead.py [--repeats 5] [--world-sizes 1,2] [--steps 60] [--batch 64]
 
-Prints each run, then per world size the ratio library / plain (1.00 = free; the target is <= 1.02)
-as the median over repeats with its spread.
+Prints each repeat (a process, or two under torchrun), then per world size the ratio
+library / plain of wall time and of rank 0's CPU time per step (1.00 = free; the target is
+<= 1.02) as the median over repeats with its spread.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,72 +48,89 @@ def model() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
-def plain(args: argparse.Namespace) -> list[float]:
-    """The loop as a user writes it by hand."""
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo")
+def plain(args: argparse.Namespace, world: int) -> Iterator[None]:
+    """The loop as a user writes it by hand; yields after each step."""
     net = model()
     net = nn.parallel.DistributedDataParallel(net) if world > 1 else net
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     data = dataset(args.batch * (args.warmup + args.steps))
     sampler = torch.utils.data.DistributedSampler(data) if world > 1 else None
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch // world, sampler=sampler, drop_last=True)
-    marks = []
     for x, y in loader:
-        marks.append((time.perf_counter(), time.process_time()))
         loss = F.cross_entropy(net(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    marks.append((time.perf_counter(), time.process_time()))
-    return marks
+        yield
 
 
-def library(args: argparse.Namespace) -> list[float]:
-    """The same loop with multicard.Run."""
-    import multicard
-
-    run = multicard.Run(args.out, global_batch_size=args.batch, resume="never", log_every=50)
+def library(run: object, args: argparse.Namespace) -> Iterator[None]:
+    """The same loop with multicard.Run; yields after each step."""
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     net, optimizer = run.setup(net, optimizer)
     train = run.loader(dataset(args.batch * (args.warmup + args.steps)))
-    marks = []
     for _ in run.epochs(1):
         for x, y in train:
-            marks.append((time.perf_counter(), time.process_time()))
             loss = F.cross_entropy(net(x), y)
             run.backward(loss)
             run.step(optimizer)
             run.log(loss=loss)
-        marks.append((time.perf_counter(), time.process_time()))
-        break  # the epoch's end (its checkpoint) is not part of the loop's cost
-    return marks
+            yield
+
+
+def thread_cpu_s(name: str) -> float:
+    """CPU seconds the Python thread called `name` has used (0 if there is none)."""
+    for thread in threading.enumerate():
+        if thread.name == name and thread.native_id is not None:
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return 0.0
 
 
 def worker(args: argparse.Namespace) -> None:
-    marks = {"plain": plain, "library": library}[args.mode](args)
+    import torch.distributed as dist
+
+    import multicard
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run = multicard.Run(args.out, global_batch_size=args.batch, resume="never", log_every=50)  # starts the group
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    loops = {"plain": plain(args, world), "library": library(run, args)}
+    spent = {mode: [0.0, 0.0] for mode in loops}  # wall, CPU seconds of the timed steps
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            watchdog_before = thread_cpu_s("multicard-watchdog")
+        for mode in ("plain", "library") if step % 2 == 0 else ("library", "plain"):
+            wall, cpu = time.perf_counter(), time.process_time()
+            next(loops[mode])
+            if step >= args.warmup:
+                spent[mode][0] += time.perf_counter() - wall
+                spent[mode][1] += time.process_time() - cpu
+    # The watchdog ran through both loops' steps; its CPU time is the library's alone.
+    watchdog = thread_cpu_s("multicard-watchdog") - watchdog_before
+    spent["library"][1] += watchdog / 2
+    spent["plain"][1] -= watchdog / 2
     if int(os.environ.get("RANK", "0")) == 0:
-        timed, steps = marks[args.warmup :], len(marks) - args.warmup - 1
-        wall, cpu = ((timed[-1][k] - timed[0][k]) / steps for k in (0, 1))
-        Path(args.result).write_text(json.dumps({"s_per_step": wall, "cpu_s_per_step": cpu}))
+        result = {f"{mode}_{key}": value / args.steps for mode, (wall, cpu) in spent.items()
+                  for key, value in (("s_per_step", wall), ("cpu_s_per_step", cpu))}  # fmt: skip
+        Path(args.result).write_text(json.dumps(result | {"watchdog_cpu_s": watchdog}))
+    loops["library"].close()  # leave the Run's epoch without its checkpoint
+    run.close()
 
 
-def measure(mode: str, world: int, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    result = tmp / f"{mode}-{world}.json"
-    own = [__file__, "--worker", mode, "--result", str(result), "--out", str(tmp / f"run-{mode}-{world}"),
+def measure(world: int, args: argparse.Namespace, tmp: Path, repeat: int) -> dict[str, float]:
+    result = tmp / f"{world}-{repeat}.json"
+    own = [__file__, "--worker", "--result", str(result), "--out", str(tmp / f"run-{world}-{repeat}"),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]  # fmt: skip
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)] if world > 1 else []
-    cmd = [sys.executable, *launch, *own]
-    # Passive OpenMP waits: where other processes share the cores, spinning threads would bill their
+    # Passive OpenMP waits: where processes share the cores, spinning threads would bill their
     # waits as CPU time (both loops alike).
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, *launch, *own], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"{mode} ×{world} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        raise SystemExit(f"×{world} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     return json.loads(result.read_text())
 
 
@@ -115,30 +138,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--world-sizes", default="1,2")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
+    p.add_argument("--steps", type=int, default=60, help="timed steps of each loop per repeat")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps of each loop per repeat")
     p.add_argument("--batch", type=int, default=64, help="global batch")
-    p.add_argument("--worker", dest="mode", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.mode:
+    if args.worker:
         return worker(args)
     ratios: dict[tuple[int, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.repeats):
             for world in (int(w) for w in args.world_sizes.split(",")):
-                order = ("plain", "library") if i % 2 == 0 else ("library", "plain")
-                times = {mode: measure(mode, world, args, Path(folder)) for mode in order}
+                t = measure(world, args, Path(folder), i)
                 line = f"repeat {i} ×{world}:"
                 for key in ("s_per_step", "cpu_s_per_step"):
-                    ratios.setdefault((world, key), []).append(times["library"][key] / times["plain"][key])
-                    line += (f" {key}: plain {1000 * times['plain'][key]:.1f} ms, library "
-                             f"{1000 * times['library'][key]:.1f} ms, ratio {ratios[world, key][-1]:.3f};")  # fmt: skip
-                print(line, flush=True)
-    # Wall time is what a user pays; rank 0's CPU time per step says the same where other processes
-    # share the cores (a loaded machine stretches wall time, hardly the CPU time of the work itself).
-    for (world, key), values in ratios.items():
+                    ratios.setdefault((world, key), []).append(t[f"library_{key}"] / t[f"plain_{key}"])
+                    line += (f" {key}: plain {1000 * t[f'plain_{key}']:.1f} ms, library "
+                             f"{1000 * t[f'library_{key}']:.1f} ms, ratio {ratios[world, key][-1]:.3f};")  # fmt: skip
+                print(f"{line} watchdog CPU {1000 * t['watchdog_cpu_s']:.0f} ms in all", flush=True)
+    for (world, key), values in sorted(ratios.items()):
         print(f"×{world} {key}: library / plain = {statistics.median(values):.3f} (median of {len(values)}; "
               f"min {min(values):.3f}, max {max(values):.3f})")  # fmt: skip
 

@@ -1,10 +1,21 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from conftest import TINY, cli
 from multicard import process_group, topology
 from multicard.config import load_config
 from multicard.errors import UserError
-from multicard.process_group import NodeTopology, detect_env, expand_hostlist, select_interface, tasks_on_node
+from multicard.malloc import keep_freed_memory
+from multicard.process_group import (
+    NodeTopology,
+    detect_env,
+    expand_hostlist,
+    select_interface,
+    tasks_on_node,
+)
 
 
 def test_plain_process_is_world_size_one():
@@ -14,8 +25,15 @@ def test_plain_process_is_world_size_one():
 
 def test_torchrun_variables():
     env = detect_env(
-        {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-         "GROUP_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "1234",
+        }
     )
     assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("torchrun", 5, 8, 1, 4)
     assert (env.node_rank, env.master_addr, env.master_port) == (1, "node0", 1234)
@@ -23,8 +41,15 @@ def test_torchrun_variables():
 
 def test_srun_variables_with_compressed_node_list():
     env = detect_env(
-        {"SLURM_PROCID": "6", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-         "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
+        {
+            "SLURM_PROCID": "6",
+            "SLURM_STEP_NUM_TASKS": "8",
+            "SLURM_LOCALID": "2",
+            "SLURM_NODEID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_STEP_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "4242",
+        }
     )
     assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 6, 8, 2, 4)
     assert env.node_rank == 1 and env.master_addr == "gpu07"
@@ -159,3 +184,38 @@ def test_a_trainjob_node_starts_its_workers_from_the_pet_variables(tmp_path):
     result = cli("train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}", env=env)
     assert result.returncode == 0, result.stderr
     assert "strategy=ddp world_size=2" in result.stdout
+
+
+CHURN = """
+import ctypes, os
+from multicard.malloc import keep_freed_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def given_back():  # what freeing 128 MiB of 8 MiB blocks (a step's gradients) returns to the system
+    blocks = [libc.malloc(8 << 20) for _ in range(16)]
+    for b in blocks:
+        ctypes.memset(b, 1, 8 << 20)
+    before = resident()
+    for b in blocks:
+        libc.free(b)
+    return before - resident()
+print(given_back(), keep_freed_memory(), given_back(), given_back())
+"""
+
+
+def test_cpu_training_keeps_freed_memory_for_the_next_step():
+    """glibc gives freed blocks back at once (to be faulted in again at the next step); after
+    keep_freed_memory, what a step frees stays for the next."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, env=env, check=True).stdout
+    default, kept, *after = out.split()
+    assert int(default) > 100 << 20 and kept == "True"
+    assert all(int(back) < 8 << 20 for back in after), out
+
+
+def test_an_allocator_the_user_chose_is_left_alone():
+    assert not keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"})
+    assert not keep_freed_memory({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"})
+    assert not keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"})

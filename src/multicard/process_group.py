@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from multicard.errors import ExitCode, UserError
+from multicard.malloc import keep_freed_memory
 
 SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id above this base
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
@@ -359,6 +360,19 @@ def wait_for_master(addr: str, port: int, timeout_s: float, hint: str) -> None:
         time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
 
+def use_device(gpus: list[int], env: ProcessEnv, distributed: bool, threads: int) -> torch.device:
+    """This process's device and CPU threads (and, training on the CPU, its allocator's habits)."""
+    if gpus:
+        # topology.resolve has made sure there is a GPU for every local rank.
+        device = torch.device("cuda", gpus[env.local_rank] if distributed else gpus[0])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        keep_freed_memory()
+    torch.set_num_threads(threads_per_process(threads, env.local_world_size if distributed else 1))
+    return device
+
+
 def setup(
     env: ProcessEnv,
     gpus: list[int],
@@ -373,14 +387,7 @@ def setup(
     On CUDA with `trace_dir`, NCCL's flight recorder keeps the last collectives of each rank and
     dumps them there when a collective times out (torch's TORCH_NCCL_* variables; set ones win).
     """
-    if gpus:
-        # topology.resolve has made sure there is a GPU for every local rank.
-        gpu = gpus[env.local_rank] if distributed else gpus[0]
-        device = torch.device("cuda", gpu)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    torch.set_num_threads(threads_per_process(threads, env.local_world_size if distributed else 1))
+    device = use_device(gpus, env, distributed, threads)
     store = None
     if distributed and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
