@@ -105,7 +105,7 @@ def run_here(*args: str, env: dict[str, str] | None = None) -> str:
     processes, started by torch's agent here, with `env` added to their environment). torch is
     loaded here already: one process runs in ~0.5 CPU-s instead of ~3.5, a launcher costs ~0.1
     instead of ~2.3."""
-    from multicard.cli import main
+    from multicard.cli.main import main
 
     environ = dict(os.environ)  # a launcher tells its workers its pid through the environment
     os.environ.update(env or {})

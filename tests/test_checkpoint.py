@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from multicard.atomic import save_atomic
+from multicard.base.atomic import save_atomic
+from multicard.base.errors import UserError
 from multicard.checkpoint import check_model_fits, load_file
-from multicard.errors import UserError
 
 
 class Unpicklable:
@@ -41,8 +41,8 @@ def test_state_of_another_model_is_refused():
 
 
 def test_a_setting_added_since_the_checkpoint_differs_only_when_not_the_default():
+    from multicard.base.config import Config, to_dict
     from multicard.checkpoint.compat import changed_settings
-    from multicard.config import Config, to_dict
 
     saved, wanted = to_dict(Config()), to_dict(Config())
     del saved["data"]["kwargs"], saved["sched"]["name"]  # written before these settings existed

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import TINY, cli
-from multicard.cli import main
+from multicard.cli.main import main
 
 BAD_OVERRIDES = [
     (["nosuch.key=1"], "unknown key 'nosuch'"),

@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from multicard.config import load_config, parse_devices
-from multicard.errors import UserError
+from multicard.base.config import load_config, parse_devices
+from multicard.base.errors import UserError
 
 
 def test_defaults_are_valid_and_read_only():
@@ -73,7 +73,7 @@ def test_parse_devices():
 
 def test_a_url_for_a_path_is_one_line_and_makes_no_local_folder(tmp_path, monkeypatch, capsys):
     """s3://bucket/x as out_dir, data.root or pack --out was a folder named `s3:` here (issue 35)."""
-    from multicard.cli import main
+    from multicard.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     for args in (["train", "out_dir=s3://bucket/run"], ["train", "data.name=shards", "data.root=gs://b/pack"],

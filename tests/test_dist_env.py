@@ -5,17 +5,18 @@ import sys
 import pytest
 
 from conftest import TINY, cli
-from multicard import process_group, topology
-from multicard.config import load_config
-from multicard.errors import UserError
-from multicard.malloc import keep_freed_memory
-from multicard.process_group import (
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.base.malloc import keep_freed_memory
+from multicard.runtime import process_group
+from multicard.runtime.process_group import (
     NodeTopology,
     detect_env,
     expand_hostlist,
     select_interface,
     tasks_on_node,
 )
+from multicard.strategy import topology
 
 
 def test_plain_process_is_world_size_one():
@@ -165,7 +166,7 @@ def test_single_strategy_refuses_several_processes():
 def test_cloud_launchers_describe_the_node_in_their_variables():
     """A Kubeflow TrainJob (PET_*: torchrun's own variables) or a SkyPilot task (SKYPILOT_*) runs one
     `multicard train` per node: multicard's launcher takes the topology from them (issue 35)."""
-    from multicard.process_group import node_topology
+    from multicard.runtime.process_group import node_topology
 
     kubeflow = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
                 "PET_MASTER_ADDR": "trainjob-node-0-0", "PET_MASTER_PORT": "29400"}  # fmt: skip
@@ -188,7 +189,7 @@ def test_a_trainjob_node_starts_its_workers_from_the_pet_variables(tmp_path):
 
 CHURN = """
 import ctypes, os
-from multicard.malloc import keep_freed_memory
+from multicard.base.malloc import keep_freed_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 def resident():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import LEARN, cli, load_checkpoint, requires_2_gpus, torchrun
-from multicard.models import build_model
+from multicard.strategy.models import build_model
 
 pytestmark = pytest.mark.slow
 

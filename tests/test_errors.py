@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import TINY, cli, load_checkpoint
 from multicard.checkpoint import load_file
-from multicard.cli import main
+from multicard.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

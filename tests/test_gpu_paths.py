@@ -9,16 +9,20 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from conftest import LEARN, TINY, cli, load_checkpoint, max_rel_diff, requires_2_gpus, run_here
-from multicard import process_group, topology
-from multicard.config import load_config
-from multicard.errors import UserError
-from multicard.models import build_model
-from multicard.precision import AutocastForward, Precision
-from multicard.process_group import ProcessContext, ProcessEnv
-from multicard.session import start_process
-from multicard.strategy import DataParallelStrategy, DDPStrategy, ModelSetup, Strategy
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.run.session import start_process
+from multicard.runtime import process_group
+from multicard.runtime.process_group import ProcessContext, ProcessEnv
+from multicard.strategy import topology
+from multicard.strategy.base import ModelSetup, Strategy
+from multicard.strategy.data_parallel import DataParallelStrategy
 
 # float64, no BatchNorm, 5 optimizer steps: DDP and single-process runs agree to rounding.
+from multicard.strategy.ddp import DDPStrategy
+from multicard.strategy.models import build_model
+from multicard.strategy.precision import AutocastForward, Precision
+
 PARITY = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "train.max_steps=5", "data.val_size=64"]
 
 

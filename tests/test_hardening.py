@@ -29,12 +29,12 @@ from conftest import (
     wait_for,
     worker_pid,
 )
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in, load_file
-from multicard.cli import main, parse
-from multicard.config import load_config
+from multicard.cli.main import main, parse
 from multicard.data import read_splits
-from multicard.errors import UserError
-from multicard.stopping import GracefulStop
+from multicard.runtime.stopping import GracefulStop
 
 # A few hundred steps of a tiny model: seconds long, long enough to act while it runs.
 RUNNING = [*TINY, "data.train_size=8192", "train.epochs=3", "checkpoint.every_steps=5", "data.val_size=64"]
@@ -193,7 +193,7 @@ def test_7_a_collective_timeout_is_one_line_with_code_5(tmp_path):
 
 
 def test_9_disk_full_while_writing_metrics_keeps_the_checkpoints(tmp_path, capsys, monkeypatch):
-    from multicard import telemetry
+    from multicard.observe import telemetry
 
     records = []
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from multicard.cli import main
+from multicard.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "gpu_check"))  # the check's scripts import each other as siblings
@@ -130,7 +130,7 @@ def test_37_20_verify_refuses_checks_that_would_all_be_skipped(capsys):
 
 def test_37_20_verify_whose_runs_left_every_check_skipped_does_not_pass(monkeypatch, capsys):
     """What only the runs can tell (a dataset of one step per epoch: nowhere to stop inside one)."""
-    import multicard.verify as verify
+    import multicard.tools.verify as verify
 
     monkeypatch.setattr(verify, "_run_all", lambda options, runs, dropout: ({"cut": None}, {}))
     assert main(["verify", "--checks", "resume", *SMALL]) == USAGE

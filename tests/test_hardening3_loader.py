@@ -1,4 +1,4 @@
-"""Issue 37, hardening round 3: the large-image loader benchmark (bench/loader_throughput.py) made
+"""Issue 37, hardening round 3: the large-image loader benchmark (benchmarks/loader_throughput.py) made
 decisive on a noisy machine: at least 5 repeats in mirrored order, a ratio floor, and --against
 another source tree timed in a process of its own. Each test is named after its case."""
 
@@ -16,7 +16,7 @@ from PIL import Image
 import multicard
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import loader_throughput as bench  # noqa: E402
 

@@ -14,16 +14,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import TINY, run_here
-from multicard.cli import main
-from multicard.config import MixConfig
+from multicard.base.config import MixConfig
+from multicard.cli.main import main
 from multicard.data.mixing import StepMix, mixing
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler, copies_in_a_micro_batch, repeats_note
-from multicard.meters import TrainMeter
-from multicard.models import PatchWhitening, patch_moments
-from multicard.phases import PhaseClock
-from multicard.precision import Precision
-from multicard.process_group import ProcessContext
+from multicard.engine.meters import TrainMeter
+from multicard.engine.phases import PhaseClock
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, Strategy
+from multicard.strategy.models import PatchWhitening, patch_moments
+from multicard.strategy.precision import Precision
 
 
 def photos(n: int, seed: int = 0) -> torch.Tensor:

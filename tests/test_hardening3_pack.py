@@ -21,13 +21,13 @@ from PIL import Image
 from rich.console import Console
 
 from conftest import run_here, start, wait_for
-from multicard.cli import main
-from multicard.config import load_config
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.cli.main import main
 from multicard.data import read_splits, sample_list_fingerprint
 from multicard.data.shards import INDEX, PARTIAL, ShardSamples
-from multicard.errors import UserError
-from multicard.pack import PackOptions, pack, run_pack, verify_pack
-from multicard.process_group import cpu_cores
+from multicard.runtime.process_group import cpu_cores
+from multicard.tools.pack import PackOptions, pack, run_pack, verify_pack
 
 CLASSES = ("a", "b")
 TRAIN, VAL = 6, 2  # images per class
@@ -386,7 +386,7 @@ def test_37_24_a_folder_without_an_index_gets_advice_pack_would_follow(folder, t
 
 
 def test_37_25_pack_workers_above_the_cores_are_capped_and_said(folder, tmp_path, capsys, monkeypatch):
-    import multicard.pack as packing
+    import multicard.tools.pack as packing
 
     started = []
     real = packing._pack_in_processes

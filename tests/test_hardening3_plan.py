@@ -15,9 +15,9 @@ import torch.distributed as tdist
 from rich.console import Console
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from multicard.config import load_config
-from multicard.plan.measure import measure_here
-from multicard.plan.profiled_peak import window_peak
+from multicard.base.config import load_config
+from multicard.tools.plan.measure import measure_here
+from multicard.tools.plan.profiled_peak import window_peak
 
 TESTS = Path(__file__).resolve().parent
 MiB = 2**20

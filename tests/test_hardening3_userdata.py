@@ -18,18 +18,18 @@ import torch
 from PIL import Image
 
 from conftest import cli, final_params, run_here
-from multicard.cli import main
-from multicard.config import load_config
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.cli.main import main
 from multicard.data import build_data, read_splits
 from multicard.data.ranks import check_same_across_ranks, summary
 from multicard.data.sampling import BatchSplit
 from multicard.data.sources import Files, InMemory, Splits
 from multicard.data.user import read_item
-from multicard.errors import UserError
-from multicard.process_group import EXIT_GRACE_S, ProcessContext, ProcessEnv
-from multicard.session import open_session
-from multicard.telemetry import DataBound, Reporter, TrainingLog
-from multicard.tracking import TRACKERS, MlflowRun
+from multicard.observe.telemetry import DataBound, Reporter, TrainingLog
+from multicard.observe.tracking import TRACKERS, MlflowRun
+from multicard.run.session import open_session
+from multicard.runtime.process_group import EXIT_GRACE_S, ProcessContext, ProcessEnv
 from test_hardening_resume import one_line
 
 # Two steps of 16 on 32 pictures of 8 px, 16 to validate.

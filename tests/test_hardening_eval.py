@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import TINY, run_here
-from multicard.cli import main
+from multicard.cli.main import main
 
 # float64 and BatchNorm (smallcnn's default), sync_bn=false (the default): each rank's last
 # training forward updates its own running statistics from its own share of the batch.

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TINY, cli, final_params, max_rel_diff, run_here
 from multicard.checkpoint import read_checkpoint
-from multicard.cli import main
+from multicard.cli.main import main
 
 # float64 and no BatchNorm: one process and two give the same parameters (within 1e-10).
 EXACT = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "sched.name=constant", "checkpoint.every_steps=2"]

@@ -26,10 +26,10 @@ from conftest import (
     start,
     wait_for,
 )
+from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in, load_file
-from multicard.errors import UserError
-from multicard.process_group import LAUNCHER_PID
-from multicard.stopping import BeforeTraining, GracefulStop, StoppedBeforeTraining
+from multicard.runtime.process_group import LAUNCHER_PID
+from multicard.runtime.stopping import BeforeTraining, GracefulStop, StoppedBeforeTraining
 
 pytestmark = pytest.mark.distributed
 
@@ -147,7 +147,7 @@ def test_a_taken_rendezvous_port_is_never_a_strangers_store(monkeypatch):
     """One node hosts its own rendezvous store: a free port another process took meanwhile is
     tried again with another (never joined: torch's agent would use the stranger's store, and
     the job would die with it); one that stays taken is one line (here: the same port each try)."""
-    from multicard import launch
+    from multicard.runtime import launch
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -20,17 +20,17 @@ import torch
 from PIL import Image
 
 from conftest import TINY, clean_env, cli
-from multicard.cli import main
-from multicard.config import load_config, to_dict
+from multicard.base.config import load_config, to_dict
+from multicard.base.errors import UserError
+from multicard.cli.main import main
 from multicard.data import loader_processes
 from multicard.data.decode import read_image
 from multicard.data.encoded import to_rgb
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip
 from multicard.data.user import to_picture
-from multicard.errors import UserError
-from multicard.models import build_model
-from multicard.process_group import ProcessContext, cpu_cores
-from multicard.topology import resolve
+from multicard.runtime.process_group import ProcessContext, cpu_cores
+from multicard.strategy.models import build_model
+from multicard.strategy.topology import resolve
 
 CPU = torch.device("cpu")
 
@@ -171,8 +171,8 @@ def test_27_15_plan_bounds_say_the_truth_and_measure_prints_no_profiler_noise(tm
     spec.write_text(json.dumps({"config": config, "memory_steps": 2, "warmup": 1, "steps": 1,
                                 "profile_memory": True, "result": str(result_file)}))  # fmt: skip
     env = {k: v for k, v in clean_env().items() if k != "KINETO_LOG_LEVEL"}
-    done = subprocess.run([sys.executable, "-m", "multicard.plan.worker", str(spec)], capture_output=True, text=True,
-                          env=env, timeout=120)  # fmt: skip
+    worker = [sys.executable, "-m", "multicard.tools.plan.worker", str(spec)]
+    done = subprocess.run(worker, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(result_file.read_text())["ranks"][0]["peak_bytes"] > 0  # the profiler did run
     for noise in ("USDT", "profiler_start", "gpuGetDeviceCount"):

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from conftest import clean_env
-from multicard.config import load_config
-from multicard.malloc import wants_release
-from multicard.plan import cgroup_cap
+from multicard.base.config import load_config
+from multicard.base.malloc import wants_release
+from multicard.tools.plan import cgroup_cap
 
 PROBE = (
-    "import json; from multicard.malloc import wants_release; from multicard.host_memory import cgroup_limit;"
+    "import json; from multicard.base.malloc import wants_release; from multicard.base.host_memory import cgroup_limit;"
     "print(json.dumps([cgroup_limit(), wants_release('auto'), wants_release('false'), wants_release('TRUE')]))"
 )
 

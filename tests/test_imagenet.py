@@ -22,8 +22,9 @@ from PIL import Image
 
 from conftest import ROOT, cli, load_checkpoint, run_here
 from multicard import data as data_module
-from multicard.cli import parse
-from multicard.config import load_config
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.cli.main import parse
 from multicard.data import build_data
 from multicard.data.crops import crop_uniforms
 from multicard.data.decode import read_image
@@ -33,9 +34,8 @@ from multicard.data.jpeg_crop import JpegFile, JpegTransform, collate_encoded
 from multicard.data.sampling import BatchSplit
 from multicard.data.sources import Files, InMemory, Splits
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip
-from multicard.errors import UserError
-from multicard.optim import scaled_lr
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
+from multicard.strategy.optim import scaled_lr
 from test_large_images import mad, photo_like, to_hwc
 
 PHOTOS = ROOT.parent / "shared" / "data" / "imagenet-sample"

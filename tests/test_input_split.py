@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, cli
-from multicard.input_split import BOUND, RankSplit, recommend
+from multicard.tools.input_split import BOUND, RankSplit, recommend
 
 CLASSES = ("a", "b")
 COMMON = ["model.name=smallcnn", "data.image_size=16", "train.global_batch_size=8", "data.num_workers=1",

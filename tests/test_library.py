@@ -34,9 +34,9 @@ from conftest import (
     srun_task,
     wait_for,
 )
+from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in
-from multicard.errors import UserError
-from multicard.launch import free_port
+from multicard.runtime.launch import free_port
 
 EXAMPLES = ROOT / "examples"
 SHAPES = EXAMPLES / "segmentation" / "train_shapes.py"
@@ -266,7 +266,7 @@ def test_state_a_checkpoint_cannot_hold_and_options_that_set_an_argument_are_one
 
 @pytest.mark.distributed  # its fixture trains under ddp×2 too
 def test_eval_refuses_and_export_writes_a_checkpoint_of_a_scripts_loop(uninterrupted, tmp_path, capsys):
-    from multicard.cli import main
+    from multicard.cli.main import main
 
     last = str(uninterrupted[1] / "checkpoints" / "last.pt")
     assert main(["eval", "--checkpoint", last]) == 2
@@ -277,7 +277,7 @@ def test_eval_refuses_and_export_writes_a_checkpoint_of_a_scripts_loop(uninterru
 
 
 def test_run_of_a_missing_script_is_one_line(tmp_path, capsys):
-    from multicard.cli import main
+    from multicard.cli.main import main
 
     assert main(["run", str(tmp_path / "nothing.py")]) == 2
     assert capsys.readouterr().err.strip() == (

@@ -1,4 +1,4 @@
-"""The loop's statistics (multicard.meters) on one CPU process: what the records and checkpoints hold."""
+"""The loop's statistics (multicard.engine.meters) on one CPU process: what the records and checkpoints hold."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from multicard.meters import EvalResult, Sums, TrainMeter
-from multicard.phases import IDLE, PhaseClock
-from multicard.precision import Precision
-from multicard.process_group import ProcessContext
+from multicard.engine.meters import EvalResult, Sums, TrainMeter
+from multicard.engine.phases import IDLE, PhaseClock
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, Strategy
+from multicard.strategy.precision import Precision
 
 
 @pytest.fixture

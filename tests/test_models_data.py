@@ -3,11 +3,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from multicard.base.errors import UserError
 from multicard.data.synthetic import make_synthetic
-from multicard.errors import UserError
-from multicard.models import build_model
-from multicard.precision import AutocastForward, Precision
-from multicard.strategy import Strategy
+from multicard.strategy.base import Strategy
+from multicard.strategy.models import build_model
+from multicard.strategy.precision import AutocastForward, Precision
 
 
 def tiny_user_model(num_classes):

@@ -167,7 +167,7 @@ def test_guide_rehearsal_uses_the_test_values():
 
 @pytest.mark.parametrize("node_rank", [1, 0], ids=["master-unreachable", "peer-missing"])
 def test_unreachable_rendezvous_is_a_one_line_error_within_the_timeout(tmp_path, node_rank):
-    from multicard.launch import free_port
+    from multicard.runtime.launch import free_port
 
     port = free_port()  # nobody listens there: connections are refused
     start = time.monotonic()
@@ -185,7 +185,7 @@ def test_unreachable_rendezvous_is_a_one_line_error_within_the_timeout(tmp_path,
 
 
 def test_unreachable_master_under_srun_is_a_one_line_error(tmp_path):
-    from multicard.launch import free_port
+    from multicard.runtime.launch import free_port
 
     slurm = {
         "SLURM_JOB_ID": "77", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",

@@ -18,24 +18,24 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import clean_env
-from multicard.cli import main as cli_main
-from multicard.config import load_config, with_overrides
+from multicard.base.config import load_config, with_overrides
+from multicard.base.errors import UserError
+from multicard.cli.main import main as cli_main
 from multicard.data.sampling import BatchSplit
-from multicard.errors import UserError
-from multicard.models import build_model
-from multicard.plan import cgroup_cap
-from multicard.plan.calibration import Calibration
-from multicard.plan.dataset import data_facts
-from multicard.plan.hardware import GPUS, find_gpu, gpu_for_device, peak_bf16
-from multicard.plan.memory import Layout, largest_batch, peak, timeline
-from multicard.plan.ops import op_flops
-from multicard.plan.planner import make_plan
-from multicard.plan.profiled_peak import window_peak
-from multicard.plan.step_model import StepModel, step_model
-from multicard.plan.target import make_target
-from multicard.plan.trace import trace_step
-from multicard.process_group import ProcessEnv, cpu_cores
-from multicard.session import open_session
+from multicard.run.session import open_session
+from multicard.runtime.process_group import ProcessEnv, cpu_cores
+from multicard.strategy.models import build_model
+from multicard.tools.plan import cgroup_cap
+from multicard.tools.plan.calibration import Calibration
+from multicard.tools.plan.dataset import data_facts
+from multicard.tools.plan.hardware import GPUS, find_gpu, gpu_for_device, peak_bf16
+from multicard.tools.plan.memory import Layout, largest_batch, peak, timeline
+from multicard.tools.plan.ops import op_flops
+from multicard.tools.plan.planner import make_plan
+from multicard.tools.plan.profiled_peak import window_peak
+from multicard.tools.plan.step_model import StepModel, step_model
+from multicard.tools.plan.target import make_target
+from multicard.tools.plan.trace import trace_step
 
 SMALL = ["model.name=smallcnn", "data.image_size=32", "data.train_size=256", "data.val_size=16", "optim.name=adamw"]
 
@@ -152,7 +152,7 @@ def test_sharding_rules_change_only_what_each_strategy_holds():
 
 
 def test_fsdp_on_cpu_pays_for_returned_memory_unless_told_to_keep_it():
-    from multicard.plan.timing import Net, Rates, step_time
+    from multicard.tools.plan.timing import Net, Rates, step_time
 
     cfg = load_config(None, ["model.name=resnet18", "data.image_size=64", "optim.name=adamw"])
     model = step_model(cfg, 10)
@@ -173,8 +173,8 @@ def test_adamw_runs_fused_on_shards_so_fsdp_has_no_optimizer_temporaries():
 
 
 def test_depthwise_backward_and_normalisations_take_rates_of_their_own():
-    from multicard.plan.ops import GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM
-    from multicard.plan.timing import Rates
+    from multicard.tools.plan.ops import GROUPED_CONV, GROUPED_CONV_BACKWARD, NORM
+    from multicard.tools.plan.timing import Rates
 
     cfg = load_config(None, ["model.name=torchvision.models:mobilenet_v3_small", "data.image_size=32"])
     ops = trace_step(cfg, 2, 10).ops
@@ -300,7 +300,7 @@ def test_calibration_is_kept_per_machine(tmp_path):
     cal.machine = "another machine"
     cal.save(tmp_path / "c.json")
     assert Calibration.load(tmp_path / "c.json") is None
-    from multicard.plan.calibration import machine_id
+    from multicard.tools.plan.calibration import machine_id
 
     cal.machine = machine_id()
     cal.save(tmp_path / "c.json")

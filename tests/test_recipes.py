@@ -22,17 +22,17 @@ from conftest import (
     slowed,
     stopped_after_first_checkpoint,
 )
+from multicard.base.config import DataConfig, MixConfig, load_config
+from multicard.base.errors import UserError
 from multicard.checkpoint import read_checkpoint
-from multicard.config import DataConfig, MixConfig, load_config
 from multicard.data.device_transform import DeviceTransform
 from multicard.data.mixing import BatchMix
 from multicard.data.policies import sample_policy
 from multicard.data.progressive import ProgressiveSize, progressive_size
 from multicard.data.sampling import repeated_order
-from multicard.ema import WeightAverage
-from multicard.errors import UserError
-from multicard.optim import lr_factor
-from multicard.verify.checks import check_coverage
+from multicard.engine.ema import WeightAverage
+from multicard.strategy.optim import lr_factor
+from multicard.tools.verify.checks import check_coverage
 
 ALL_POLICIES = ["trivialaugment", "randaugment", "autoaugment"]
 

@@ -23,11 +23,11 @@ from conftest import (
     wait_for,
     worker_pid,
 )
+from multicard.base.config import load_config
 from multicard.checkpoint import Checkpointer, checkpoints_in, load_file
-from multicard.cli import main
-from multicard.config import load_config
-from multicard.process_group import ProcessEnv
-from multicard.session import open_session
+from multicard.cli.main import main
+from multicard.run.session import open_session
+from multicard.runtime.process_group import ProcessEnv
 
 pytestmark = pytest.mark.distributed
 

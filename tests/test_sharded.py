@@ -26,7 +26,7 @@ from conftest import (
     worker_pid,
 )
 from multicard.checkpoint import checkpoints_in
-from multicard.cli import main
+from multicard.cli.main import main
 
 pytestmark = pytest.mark.distributed
 
@@ -218,8 +218,8 @@ def test_the_optimizer_step_on_shards_is_fused_where_torch_has_the_kernel(tmp_pa
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from multicard.config import OptimConfig
-    from multicard.optim import optimizer_recipe
+    from multicard.base.config import OptimConfig
+    from multicard.strategy.optim import optimizer_recipe
 
     tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

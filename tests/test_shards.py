@@ -34,14 +34,14 @@ from conftest import (
     stopped_after_first_checkpoint,
     wait_for,
 )
-from multicard.config import load_config
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
 from multicard.data import read_splits
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler, epoch_permutation
 from multicard.data.shards import INDEX, RUN, WINDOW, ShardSamples, local_order, order_of
 from multicard.data.transforms import FitSquare
 from multicard.data.workers import SourceImages
-from multicard.errors import UserError
-from multicard.pack import PackOptions, pack, run_pack, verify_pack
+from multicard.tools.pack import PackOptions, pack, run_pack, verify_pack
 
 CIFAR = Path("/work/shared/data/cifar10/train")
 CLASSES = ("airplane", "cat", "dog")

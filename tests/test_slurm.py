@@ -17,10 +17,10 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from conftest import TINY, assert_bitwise_equal, final_params, srun_task, wait_for
+from multicard.base.config import load_config
 from multicard.checkpoint import checkpoints_in, load_file
-from multicard.cli import parse
-from multicard.config import load_config
-from multicard.launch import free_port
+from multicard.cli.main import parse
+from multicard.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"

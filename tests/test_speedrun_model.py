@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import ROOT, final_params, run_here
-from multicard.models import PatchWhitening, build_model
+from multicard.strategy.models import PatchWhitening, build_model
 
 WIDTHS = [32, 128, 128]
 

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import FAULTS, TINY, alive, cli, descendants, start, wait_for, worker_pid
 from multicard.checkpoint import checkpoints_in
-from multicard.cli import main
-from multicard.run_records import figure, load_run
+from multicard.cli.main import main
+from multicard.observe.run_records import figure, load_run
 
 pytestmark = pytest.mark.distributed
 
@@ -159,7 +159,7 @@ def test_heartbeats_count_what_they_cost(tmp_path):
     store, each beat well under 1% of the second between beats."""
     import torch.distributed as tdist
 
-    from multicard.watchdog import BEAT_S, Watchdog
+    from multicard.observe.watchdog import BEAT_S, Watchdog
 
     dog = Watchdog(tdist.HashStore(), 0, 1, lambda: (0, 0, "idle"), tmp_path, None, abort=False, say=print)
     dog.start()

@@ -9,11 +9,11 @@ import sys
 from conftest import clean_env
 
 # Each costs a launcher (and `multicard --help`, `plan`) a fraction of a second to a second.
-HEAVY = ("torchvision", "torch.distributed.checkpoint", "multicard.commands", "multicard.strategy")
+HEAVY = ("torchvision", "torch.distributed.checkpoint", "multicard.cli.commands", "multicard.strategy")
 
 
 def test_the_command_line_loads_no_training_stack():
-    probe = f"import json, sys, multicard.cli; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    probe = f"import json, sys, multicard.cli.main; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=clean_env(), timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == []

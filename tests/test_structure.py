@@ -22,32 +22,22 @@ PACKAGES = ("multicard", "multicard_yardsticks")
 MAX_FUNCTION_LINES = 60
 MAX_TRAINER_LINES = 200
 
-# DESIGN.md's layers, bottom first: a module may import its own layer and those below it. A name
-# is a module or a package (then it covers the package's modules; the longest name that fits wins),
-# except ROOT, which is multicard's own __init__ only.
+# DESIGN.md's layers, bottom first: a module may import its own layer and those below it. Each is
+# a folder of src/multicard (a module's layer is its folder's), except ROOT, multicard's own
+# __init__ (the public API, with multicard.run) and __main__ (the command line's).
 ROOT = "multicard"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("utilities", ("multicard.version", "multicard.errors", "multicard.atomic", "multicard.torch_compat",
-                   "multicard.host_memory", "multicard.malloc")),
-    ("config", ("multicard.config",)),
-    ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping", "multicard.exits",
-                 "multicard.user_code")),
+    ("base", ("multicard.base",)),  # configuration, errors, atomic files, version, host memory
+    ("runtime", ("multicard.runtime",)),  # launch and each process's context
     ("data", ("multicard.data",)),
-    ("models", ("multicard.models",)),
-    # topology decides which strategy runs on which devices, from the config, the batch split and the data
-    ("strategy", ("multicard.strategy", "multicard.topology", "multicard.precision", "multicard.compilation",
-                  "multicard.optim", "multicard.syncbn")),
-    ("engine", ("multicard.loop", "multicard.trainer", "multicard.meters", "multicard.phases", "multicard.step_timer",
-                "multicard.ema")),
+    ("strategy", ("multicard.strategy",)),  # models and how the processes share them
+    ("engine", ("multicard.engine",)),
     ("checkpoint", ("multicard.checkpoint",)),
-    ("telemetry", ("multicard.telemetry", "multicard.tracking", "multicard.watchdog", "multicard.run_records")),
-    ("session", ("multicard.session", "multicard.commands", "multicard.preflight", "multicard.run_lock",
-                 "multicard.pack")),
-    # the public API: multicard.Run, for a user's own loop (the package's __init__ exports it)
-    ("api", (ROOT, "multicard.run")),
+    ("observe", ("multicard.observe",)),
+    ("run", (ROOT, "multicard.run")),  # the public API, multicard.Run, and how a run is assembled
     # the yardsticks are what bench measures against: they depend on nothing of bench's
     ("yardsticks", ("multicard_yardsticks",)),
-    ("tools", ("multicard.bench", "multicard.verify", "multicard.plan", "multicard.report", "multicard.input_split")),
+    ("tools", ("multicard.tools",)),
     ("cli", ("multicard.cli", "multicard.__main__")),
 ]  # fmt: skip
 
@@ -222,7 +212,7 @@ def lines(node: ast.AST) -> int:
 
 
 def test_trainer_class_is_at_most_200_lines():
-    tree = ast.parse(module_path("multicard.trainer").read_text(encoding="utf-8"))
+    tree = ast.parse(module_path("multicard.engine.trainer").read_text(encoding="utf-8"))
     (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
     assert lines(trainer) <= MAX_TRAINER_LINES, f"class Trainer is {lines(trainer)} lines"
 
@@ -239,13 +229,14 @@ def test_every_function_is_at_most_60_lines():
 def test_the_checks_see_a_cycle_an_upward_import_and_a_private_name():
     """The readers above on a made-up graph and map: they are not blind."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
-    assert layer_of("multicard.cli") > layer_of("multicard.plan.planner") > layer_of("multicard.trainer")
+    cli, tool, engine = "multicard.cli.main", "multicard.tools.plan.planner", "multicard.engine.trainer"
+    assert layer_of(cli) > layer_of(tool) > layer_of(engine)
     assert layer_of("multicard.nowhere") is None and layer_of("multicard") == layer_of("multicard.run")
     assert layer_of("multicard.data.sampling") == layer_of("multicard.data")
 
 
 def test_one_module_runs_backward():
-    """The loop (multicard.loop) is the one place a backward pass is written: train, a user's loop
+    """The loop (multicard.engine.loop) is the one place a backward pass is written: train, a user's loop
     (multicard.Run) and every tool that times a step go through it. (The yardsticks, hand-written
     loops that bench compares with, are another package.)"""
     callers = set()
@@ -255,4 +246,4 @@ def test_one_module_runs_backward():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
                 callers.add(name)
-    assert callers == {"multicard.loop"}, callers
+    assert callers == {"multicard.engine.loop"}, callers

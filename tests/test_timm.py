@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import clean_env, final_params, load_checkpoint, max_rel_diff, run_here
+from multicard.base.errors import UserError
 from multicard.checkpoint.weights import load_weights
-from multicard.errors import UserError
-from multicard.models import build_model
 from multicard.strategy.fsdp_units import family_units
+from multicard.strategy.models import build_model
 
 needs_timm = pytest.mark.skipif(
     importlib.util.find_spec("timm") is None, reason="timm is not installed (pip install 'multicard[timm]')"
@@ -57,7 +57,7 @@ def test_timm_without_the_extra_is_a_one_line_error(monkeypatch):
 @pytest.mark.slow
 def test_cli_without_timm_exits_2_with_one_line(tmp_path):
     """The same, through `multicard train` in a process where timm cannot be imported."""
-    hide_timm = "import sys; sys.modules['timm'] = None; from multicard.cli import main; sys.exit(main())"
+    hide_timm = "import sys; sys.modules['timm'] = None; from multicard.cli.main import main; sys.exit(main())"
     result = subprocess.run(
         [sys.executable, "-c", hide_timm, "train", "model.name=timm:resnet18", *SHORT, f"out_dir={tmp_path}"],
         capture_output=True, text=True, timeout=120, env=clean_env(),

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, cli, slowed, start, wait_for
+from multicard.base.config import load_config, to_dict
 from multicard.checkpoint import checkpoints_in
-from multicard.cli import main
-from multicard.config import load_config, to_dict
-from multicard.tracking import TRACKERS_FILE, flat_params, wandb_mode
+from multicard.cli.main import main
+from multicard.observe.tracking import TRACKERS_FILE, flat_params, wandb_mode
 
 
 def installed(package: str) -> bool:

@@ -30,13 +30,13 @@ from conftest import (
     slowed,
     stopped_after_first_checkpoint,
 )
-from multicard.config import load_config
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
 from multicard.data import read_splits
 from multicard.data.encoded import EncodedImage
 from multicard.data.transforms import FitSquare
 from multicard.data.user import read_item
 from multicard.data.workers import SourceImages
-from multicard.errors import UserError
 
 CLASSES = ("cat", "dog", "owl")
 TRAIN_PER_CLASS, VAL_PER_CLASS = (64, 64, 64), (17, 17, 16)  # 192 training images; 50 divides by neither 2 nor 3
@@ -247,7 +247,7 @@ def test_eval_on_1_and_3_processes_gives_identical_sums(photos, single_fp64):
 
 
 def test_plan_counts_a_dataset_functions_samples_and_classes(photos):
-    from multicard.plan.dataset import data_facts
+    from multicard.tools.plan.dataset import data_facts
 
     facts = data_facts(load_config(None, function(photos)).data, 0)
     assert (facts.num_classes, facts.train, facts.val) == (3, 192, 50)

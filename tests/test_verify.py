@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import cli, load_checkpoint
-from multicard.errors import UserError
-from multicard.verify import VerifyOptions, verify
-from multicard.verify.checks import (
+from multicard.base.errors import UserError
+from multicard.tools.verify import VerifyOptions, verify
+from multicard.tools.verify.checks import (
     RESUME_RTOL,
     check_coverage,
     compare_eval,

@@ -29,14 +29,14 @@ import torchvision
 from jpegs import jpeg_files, linked_folder, photos
 from train_run import cuda_or_reason
 
-from multicard.config import load_config
+from multicard.base.config import load_config
 from multicard.data import build_data
 from multicard.data.decode import read_image
 from multicard.data.gpu_decode import GpuDecode
 from multicard.data.jpeg_crop import JpegTransform, collate_encoded
 from multicard.data.sampling import BatchSplit
 from multicard.data.transforms import RandomResizedCropFlip
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
 
 IMAGE_SIZE = 224
 

@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from multicard.config import load_config, with_overrides
-from multicard.models import build_model
-from multicard.optim import optimizer_recipe
-from multicard.plan.hardware import gpu_for_device
-from multicard.plan.measure import MEMORY_STEPS, run_alone
-from multicard.plan.planner import make_plan
-from multicard.plan.target import make_target
+from multicard.base.config import load_config, with_overrides
+from multicard.strategy.models import build_model
+from multicard.strategy.optim import optimizer_recipe
+from multicard.tools.plan.hardware import gpu_for_device
+from multicard.tools.plan.measure import MEMORY_STEPS, run_alone
+from multicard.tools.plan.planner import make_plan
+from multicard.tools.plan.target import make_target
 
 WORKLOAD = [
     "model.name=vit_b_16",

@@ -198,10 +198,10 @@ def jpeg_folder(out: Path) -> Path:
 def workers_jpeg_pinned(out: Path) -> dict:
     import torch
 
-    from multicard.config import load_config
+    from multicard.base.config import load_config
     from multicard.data import build_data
     from multicard.data.sampling import BatchSplit
-    from multicard.process_group import ProcessContext
+    from multicard.runtime.process_group import ProcessContext
 
     folder = jpeg_folder(out)
     run = train_on_device([*JPEG, f"data.root={folder}", "strategy=single"], out / "workers-jpeg", warmup_steps=0,

@@ -8,7 +8,7 @@ warm-up (compilation, autotuning), the second is timed.
 - FLOPs per image: torch.utils.flop_counter.FlopCounterMode over one forward and backward of
   the same model (matmuls and convolutions, as MFU conventionally counts).
 - MFU: achieved FLOP/s over the GPU's dense bf16 tensor-core peak (from the one table of
-  GPUs, multicard/plan/gpus.yaml); null, with the reason, on a GPU the table does not know.
+  GPUs, multicard/tools/plan/gpus.yaml); null, with the reason, on a GPU the table does not know.
 - Loader share: the device loader alone makes `--loader-batches` batches (gather, crop/flip,
   normalise), timed between two CUDA synchronisations, over the timed step time.
 
@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from train_run import train
 
-from multicard.config import load_config
+from multicard.base.config import load_config
 from multicard.data import build_data
 from multicard.data.sampling import BatchSplit
-from multicard.models import build_model
-from multicard.plan.hardware import peak_bf16
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
+from multicard.strategy.models import build_model
+from multicard.tools.plan.hardware import peak_bf16
 
 STEPS_PER_EPOCH = 40
 WORKLOAD = [
@@ -124,7 +124,7 @@ def main() -> None:
                 result["mfu_reason"] = "not a CUDA device"
             elif peak is None:
                 device = result["device"]
-                result["mfu_reason"] = f"no bf16 peak known for {device!r}; add it to multicard/plan/gpus.yaml"
+                result["mfu_reason"] = f"no bf16 peak known for {device!r}; add it to multicard/tools/plan/gpus.yaml"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "throughput.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "workload"}))

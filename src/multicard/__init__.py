@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from multicard.version import __version__
+from multicard.base.version import __version__
 
 if TYPE_CHECKING:
     from multicard.run import Run, Scores

@@ -2,9 +2,9 @@ import gc
 import os
 import sys
 
-from multicard.cli import main
-from multicard.errors import ExitCode
-from multicard.process_group import LAUNCHER_PID, end_in_time
+from multicard.base.errors import ExitCode
+from multicard.cli.main import main
+from multicard.runtime.process_group import LAUNCHER_PID, end_in_time
 
 if __name__ == "__main__":
     try:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from multicard.config import Config
+from multicard.base.config import Config
 from multicard.data.synthetic import make_synthetic
-from multicard.models import build_model
-from multicard.phases import StepClock, summary_ms
-from multicard.process_group import detect_env, threads_per_process
+from multicard.engine.phases import StepClock, summary_ms
+from multicard.runtime.process_group import detect_env, threads_per_process
+from multicard.strategy.models import build_model
 
 
 def device_for(cfg: Config, local_rank: int) -> torch.device:

@@ -39,7 +39,7 @@ def _mark() -> None:
 
 def _install() -> None:
     from multicard.data.device import DeviceTrainLoader
-    from multicard.trainer import Trainer
+    from multicard.engine.trainer import Trainer
 
     after = int(os.environ.get("MULTICARD_FAULT_STEP", "5"))
     if FAULT in ("data", "slow-data"):
@@ -55,7 +55,7 @@ def _install() -> None:
 
         DeviceTrainLoader.__iter__ = batches
     elif FAULT in ("slow-steps", "slow-stop"):
-        from multicard.loop import Loop  # the one step of multicard train and of a user's loop (multicard.Run)
+        from multicard.engine.loop import Loop  # the one step of multicard train and of a user's loop (multicard.Run)
 
         original_step = Loop.optimizer_step
         pause = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from multicard.atomic import remove_temporaries
+from multicard.base.atomic import remove_temporaries
+from multicard.base.config import CheckpointConfig
+from multicard.base.errors import Stopped, UserError
+from multicard.base.version import __version__
 from multicard.checkpoint.compat import (
     FORMAT_VERSION,
     RunFacts,
@@ -27,15 +30,12 @@ from multicard.checkpoint.compat import (
 )
 from multicard.checkpoint.sharded import COMPLETE, Sharded, incomplete_dirs, part_of_sharded, unmarked_dirs
 from multicard.checkpoint.single_file import SingleFile
-from multicard.config import CheckpointConfig
-from multicard.errors import Stopped, UserError
-from multicard.loop import Callback, Loop, StepEnd
-from multicard.meters import EvalResult
-from multicard.phases import CHECKPOINT, IDLE
-from multicard.version import __version__
+from multicard.engine.loop import Callback, Loop, StepEnd
+from multicard.engine.meters import EvalResult
+from multicard.engine.phases import CHECKPOINT, IDLE
 
 if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
-    from multicard.strategy import Strategy
+    from multicard.strategy.base import Strategy
 
 FORMATS = {"file": SingleFile(), "sharded": Sharded()}
 # The parts of the trainer's state a checkpoint holds at its top level (what eval, export and

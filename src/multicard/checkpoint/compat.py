@@ -8,8 +8,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from multicard.config import Config, TrainConfig, to_dict
-from multicard.errors import UserError
+from multicard.base.config import Config, TrainConfig, to_dict
+from multicard.base.errors import UserError
 
 FORMAT_VERSION = 2  # bump when the checkpoint layout changes
 

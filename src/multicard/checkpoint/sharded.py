@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from multicard.atomic import save_atomic, symlink_atomic, write_text_atomic
-from multicard.errors import UserError
-from multicard.process_group import ProcessContext
+from multicard.base.atomic import save_atomic, symlink_atomic, write_text_atomic
+from multicard.base.errors import UserError
+from multicard.runtime.process_group import ProcessContext
 
 PREFIX = "step-"
 COMPLETE = "COMPLETE"  # written last, by rank 0, after every shard and train_state.pt

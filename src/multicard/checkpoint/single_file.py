@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from multicard.atomic import link_atomic, save_atomic
-from multicard.errors import UserError
-from multicard.process_group import ProcessContext
+from multicard.base.atomic import link_atomic, save_atomic
+from multicard.base.errors import UserError
+from multicard.runtime.process_group import ProcessContext
 
 PREFIX = "step-"
 SUFFIX = ".pt"

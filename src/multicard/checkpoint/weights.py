@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from multicard.base.errors import UserError
 from multicard.checkpoint.single_file import load_weights_only
-from multicard.errors import UserError
 
 
 def _state_dict_in(path: Path) -> dict[str, Any]:

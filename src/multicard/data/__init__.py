@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from multicard.config import DataConfig
+from multicard.base.config import DataConfig
+from multicard.base.errors import UserError
+from multicard.base.host_memory import available_memory
 from multicard.data.decode import decoded, default_cache_dir, fit_square
 from multicard.data.decode_choice import check_decode, choose_decode
 from multicard.data.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
@@ -39,9 +41,7 @@ from multicard.data.synthetic import CLASSES, make_synthetic
 from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
 from multicard.data.user import decode_items, function_splits
 from multicard.data.workers import Transform, WorkerEvalLoader, WorkerTrainLoader
-from multicard.errors import UserError
-from multicard.host_memory import available_memory
-from multicard.process_group import ProcessContext, cpu_cores
+from multicard.runtime.process_group import ProcessContext, cpu_cores
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
 MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from multicard.atomic import save_atomic
+from multicard.base.atomic import save_atomic
+from multicard.base.errors import UserError
 from multicard.data.encoded import EncodedImage
 from multicard.data.sources import Files, InMemory
-from multicard.errors import UserError
 
 CACHE_FORMAT = 2  # bump when the stored layout or the decoding changes (2: 16-bit greyscale scaled)
 

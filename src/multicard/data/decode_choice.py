@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from multicard.base.errors import UserError
 from multicard.data.sources import Files, Items, Splits
 from multicard.data.transforms import is_small
-from multicard.errors import UserError
 
 
 def check_decode(decode: str, cuda: bool) -> None:

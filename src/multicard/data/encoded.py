@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from multicard.base.errors import UserError
 from multicard.data import jpeg
 from multicard.data.crops import Box
-from multicard.errors import UserError
 
 PIL_ERRORS = (OSError, ValueError, Image.DecompressionBombError)
 # Greyscale of more than 8 bits: 16-bit PNGs and TIFFs open as I;16 (older Pillow: I, 32-bit integers).

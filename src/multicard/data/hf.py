@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from multicard.config import DataConfig
+from multicard.base.config import DataConfig
+from multicard.base.errors import UserError
 from multicard.data.sources import Splits
 from multicard.data.user import user_splits
-from multicard.errors import UserError
 
 VAL_SPLITS = ("validation", "test")  # tried in this order when data.hf_val_split is not set
 SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes (DatasetDict, Dataset)

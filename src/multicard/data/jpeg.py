@@ -2,7 +2,7 @@
 
 simplejpeg drives libjpeg-turbo with Pillow's settings (identical pixels on the ImageNet sample)
 but decodes straight into a numpy array, skipping Pillow's 4-byte-per-pixel image and the copy
-out of it: bench/loader_throughput.py gets about a third more images per CPU-second with it.
+out of it: benchmarks/loader_throughput.py gets about a third more images per CPU-second with it.
 Without it, or for any file it declines, Pillow decodes.
 """
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from multicard.base.errors import UserError
 from multicard.data.augment import sample_random
 from multicard.data.transfer import to_device
-from multicard.errors import UserError
 
 USER_STREAM = 0x75736572  # "user": apart from the streams of multicard's own augmentations
 Transform = Callable[[Any, torch.Generator], Any]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from multicard.config import MixConfig
+from multicard.base.config import MixConfig
+from multicard.base.errors import UserError
 from multicard.data.sampling import BatchSplit
-from multicard.errors import UserError
 
 MIX_STREAM = 0x6D6978  # keeps these draws apart from any other generator keyed by (seed, epoch, step)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multicard.config import DataConfig
+from multicard.base.config import DataConfig
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from multicard.base.errors import UserError
 from multicard.data.hf import HFItems
 from multicard.data.shards import ShardSamples
 from multicard.data.sources import Files, InMemory, Source, Splits
-from multicard.errors import UserError
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
 
 SAMPLED = 4096  # positions of a split that its fingerprint covers, evenly spread
 SPLITS = (("train", "training"), ("val", "validation"))

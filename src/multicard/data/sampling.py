@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multicard.errors import UserError
+from multicard.base.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Packed shards: `data.name=shards data.root=DIR`, a folder that `multicard pack` wrote (multicard/pack.py).
+"""Packed shards: `data.name=shards data.root=DIR`, a folder that `multicard pack` wrote (multicard/tools/pack.py).
 
 DIR holds plain tar files in WebDataset's layout (members `<key>.<ext>` with each image's encoded
 bytes unchanged, and `<key>.cls` with its label) and one index, `index.json`, that says for every
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from multicard.base.errors import UserError
 from multicard.data.encoded import EncodedImage
 from multicard.data.sources import Items, Splits
-from multicard.errors import UserError
 
 FORMAT = "multicard-shards"
 VERSION = 1

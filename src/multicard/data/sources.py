@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from multicard.errors import UserError
+from multicard.base.errors import UserError
 
 CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))

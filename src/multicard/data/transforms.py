@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from multicard.config import SMALL_IMAGE_MAX
+from multicard.base.config import SMALL_IMAGE_MAX
 from multicard.data.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
 from multicard.data.decode import fit_square, resize_ops
 from multicard.data.encoded import EncodedImage

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from multicard.base.errors import MulticardError, UserError
 from multicard.data.decode import fit_square
 from multicard.data.encoded import PIL_ERRORS, EncodedImage, to_rgb
 from multicard.data.sources import InMemory, Items, Splits, seeded_split
 from multicard.data.transforms import Picture
-from multicard.errors import MulticardError, UserError
-from multicard.user_code import user_code
+from multicard.runtime.user_code import user_code
 
 SPLITS = ("train", "val")
 ITEM_FORMS = "an (image, label) pair, the image as encoded bytes, a PIL image or a uint8 array/tensor (HWC or CHW)"

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from multicard.base.errors import UserError
 from multicard.data.augment import sample_random
 from multicard.data.decode import read_image
 from multicard.data.device_transform import DeviceTransform
@@ -28,7 +29,6 @@ from multicard.data.shards import prefetch_items
 from multicard.data.sources import Files, Items, Source
 from multicard.data.transforms import Picture
 from multicard.data.user import read_item
-from multicard.errors import UserError
 
 # (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image (or, under
 # data.decode=gpu, a JPEG's bytes with its crop: jpeg_crop.JpegTransform)

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable
 from types import TracebackType
 
-from multicard.errors import MulticardError
-from multicard.exits import report_error
-from multicard.process_group import communication_failure
+from multicard.base.errors import MulticardError
+from multicard.runtime.exits import report_error
+from multicard.runtime.process_group import communication_failure
 
 _cleanups: list[Callable[[BaseException], None]] = []  # what to release before such an end (a run's lock and files)
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from multicard.base.errors import UserError
 from multicard.data.keyed import move_to
-from multicard.errors import UserError
 
 if TYPE_CHECKING:
-    from multicard.strategy import Strategy
+    from multicard.strategy.base import Strategy
 
 MetricFn = Callable[[nn.Module, Any], dict[str, Any]]
 

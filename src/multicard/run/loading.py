@@ -19,8 +19,8 @@ from torch.utils.data import default_collate
 from multicard.data.keyed import KeyedSamples, Transform, move_to
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler, eval_batches
 from multicard.data.workers import EpochKeys, EvalKeys, data_loader
-from multicard.phases import DATA, FORWARD
-from multicard.process_group import ProcessContext
+from multicard.engine.phases import DATA, FORWARD
+from multicard.runtime.process_group import ProcessContext
 
 
 class MicroSteps(Protocol):

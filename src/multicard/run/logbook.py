@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from multicard.errors import TrainingDiverged, UserError
-from multicard.meters import every_peak_memory_mb, step_split
-from multicard.phases import IDLE, REDUCING, StepTimes
+from multicard.base.errors import TrainingDiverged, UserError
+from multicard.engine.meters import every_peak_memory_mb, step_split
+from multicard.engine.phases import IDLE, REDUCING, StepTimes
 
 if TYPE_CHECKING:
-    from multicard.loop import Loop
+    from multicard.engine.loop import Loop
 
 RESERVED = ("epoch", "step", "lr", "img_per_s", "step_ms", "ranks", "kind")  # keys the records own
 

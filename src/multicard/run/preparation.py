@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from multicard.errors import UserError
-from multicard.optim import OptimizerRecipe
+from multicard.base.errors import UserError
+from multicard.strategy.optim import OptimizerRecipe
 
 if TYPE_CHECKING:
-    from multicard.strategy import Strategy
+    from multicard.strategy.base import Strategy
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from multicard.base.errors import UserError
 from multicard.data.keyed import Transform, check_map_style
-from multicard.errors import UserError
-from multicard.loop import Position
-from multicard.phases import EVALUATION, IDLE
+from multicard.engine.loop import Position
+from multicard.engine.phases import EVALUATION, IDLE
 from multicard.run.ending import install as install_error_hook
 from multicard.run.evaluation import MetricFn, Scores, evaluate_sums
 from multicard.run.loading import Loader, eval_loader

@@ -13,19 +13,19 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from multicard.config import Config
+from multicard.base.config import Config
+from multicard.base.errors import UserError
 from multicard.data import loader_processes
 from multicard.data.sampling import BatchSplit
-from multicard.errors import UserError
-from multicard.loop import Loop
-from multicard.preflight import check_extras, prepare_out_dir
-from multicard.process_group import detect_env, die_with_launcher, teardown
+from multicard.engine.loop import Loop
+from multicard.observe.telemetry import Reporter
 from multicard.run.ending import on_error
-from multicard.run_lock import RunLock
-from multicard.session import seed_process, start_process, watch_for_stalls
-from multicard.stopping import GracefulStop
-from multicard.telemetry import Reporter
-from multicard.topology import resolve
+from multicard.run.preflight import check_extras, prepare_out_dir
+from multicard.run.session import seed_process, start_process, watch_for_stalls
+from multicard.runtime.process_group import detect_env, die_with_launcher, teardown
+from multicard.runtime.run_lock import RunLock
+from multicard.runtime.stopping import GracefulStop
+from multicard.strategy.topology import resolve
 
 
 class Runtime:

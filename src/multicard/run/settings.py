@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from multicard.config import Config, load_config
-from multicard.errors import UserError
+from multicard.base.config import Config, load_config
+from multicard.base.errors import UserError
 
 # Run(argument=...) → the config key it sets.
 ARGUMENTS = {

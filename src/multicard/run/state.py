@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from multicard.errors import UserError
+from multicard.base.errors import UserError
 
 PLAIN = (torch.Tensor, int, float, str, bool, type(None))
 

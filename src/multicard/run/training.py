@@ -1,4 +1,4 @@
-"""The training side of a Run: its loop (multicard.loop, the step `multicard train` takes too),
+"""The training side of a Run: its loop (multicard.engine.loop, the step `multicard train` takes too),
 the epochs with resume and epoch-end checkpoints, the micro-steps its loaders announce, the
 agreed stop, and the console, metrics and trackers the command line uses.
 
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from multicard.base.errors import MulticardError, Stopped, UserError
 from multicard.checkpoint import Checkpointer, RunFacts
 from multicard.checkpoint.compat import run_length
-from multicard.errors import MulticardError, Stopped, UserError
-from multicard.loop import Hooks, Loop, Position, Schedule, StepEnd
+from multicard.engine.loop import Hooks, Loop, Position, Schedule, StepEnd
 from multicard.run.ending import on_error
 from multicard.run.logbook import Logbook
+from multicard.run.session import announce_start, run_logs, start_line
 from multicard.run.settings import saved_config
 from multicard.run.state import Monitor, UserState
-from multicard.session import announce_start, run_logs, start_line
 
 if TYPE_CHECKING:
     from multicard.run.loading import Loader

@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from multicard.compilation import compile_in_place, compiled_original
-from multicard.optim import OptimizerRecipe
-from multicard.precision import AutocastForward, Precision
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
+from multicard.strategy.compilation import compile_in_place, compiled_original
+from multicard.strategy.optim import OptimizerRecipe
+from multicard.strategy.precision import AutocastForward, Precision
 
 StateDict = dict[str, Any]
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from multicard.precision import Precision
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, Strategy
-from multicard.syncbn import convert_global_batchnorm
+from multicard.strategy.precision import Precision
+from multicard.strategy.syncbn import convert_global_batchnorm
 
 
 class DistributedStrategy(Strategy):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from multicard.precision import Precision
-from multicard.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, Strategy
+from multicard.strategy.precision import Precision
 
 
 class DataParallelStrategy(Strategy):

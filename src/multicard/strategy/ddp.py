@@ -14,12 +14,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from multicard.config import DDPConfig
-from multicard.optim import OptimizerRecipe
-from multicard.precision import Precision
-from multicard.process_group import ProcessContext
+from multicard.base.config import DDPConfig
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, StateDict
 from multicard.strategy.collectives import DistributedStrategy
+from multicard.strategy.optim import OptimizerRecipe
+from multicard.strategy.precision import Precision
 
 _DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
 

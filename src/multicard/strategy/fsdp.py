@@ -27,14 +27,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from multicard.compilation import compile_in_place
-from multicard.config import FSDPConfig
-from multicard.malloc import release_large_buffers, wants_release
-from multicard.precision import Precision
-from multicard.process_group import ProcessContext
+from multicard.base.config import FSDPConfig
+from multicard.base.malloc import release_large_buffers, wants_release
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, StateDict
 from multicard.strategy.collectives import DistributedStrategy, broadcast_buffers
+from multicard.strategy.compilation import compile_in_place
 from multicard.strategy.fsdp_units import choose_units
+from multicard.strategy.precision import Precision
 
 REDUCED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

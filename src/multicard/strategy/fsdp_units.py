@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from multicard.config import FSDPConfig, ModelConfig
-from multicard.errors import UserError
-from multicard.models import build_model
+from multicard.base.config import FSDPConfig, ModelConfig
+from multicard.base.errors import UserError
+from multicard.strategy.models import build_model
 
 
 def _params(module: nn.Module) -> int:
@@ -21,7 +21,7 @@ def _params(module: nn.Module) -> int:
 
 def family_units(model: nn.Module) -> list[nn.Module] | None:
     """The units of a known family, or None."""
-    from multicard.models import torchvision_models
+    from multicard.strategy.models import torchvision_models
 
     tv = torchvision_models()
     if isinstance(model, tv.ResNet):  # each BasicBlock / Bottleneck

@@ -1,0 +1,419 @@
+"""Command line: `multicard train`, `eval`, `export`, `report`, `bench`, `verify`: thin, over commands and launch.
+
+Launch examples (all train the same job):
+    multicard train --config configs/demo.yaml                       # one process
+    multicard train --config configs/demo.yaml --nproc-per-node 2    # DDP, built-in launcher
+    torchrun --standalone --nproc-per-node 2 -m multicard train --config configs/demo.yaml
+    srun --ntasks-per-node 4 python -m multicard train --config configs/demo.yaml
+    multicard train --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr HOST0 --master-port 29400 ...
+(several machines, Slurm scripts: docs/multinode.md, examples/slurm/train.sbatch)
+
+Exit codes: errors.ExitCode (README, Exit codes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from multicard.base.config import check_local_path, load_config, parse_devices
+from multicard.base.errors import ExitCode, MulticardError, UserError
+from multicard.base.version import __version__
+from multicard.run.preflight import check_output_folder, check_run, prepare_out_dir
+from multicard.runtime.exits import report_error
+from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers
+from multicard.runtime.process_group import (
+    ProcessEnv,
+    detect_env,
+    die_with_launcher,
+    end_process,
+    node_topology,
+    resolve_gpus,
+)
+from multicard.runtime.run_lock import RunLock
+from multicard.runtime.stopping import BeforeTraining
+from multicard.strategy.topology import resolve
+from multicard.tools.plan.arguments import add_plan_parser, plan_options
+from multicard.tools.verify.checks import CHECKS, FAULTS
+
+
+class _Parser(argparse.ArgumentParser):
+    commands: dict[str, argparse.ArgumentParser]  # the top-level parser's subcommands, by name
+
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        print(f"multicard: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(ExitCode.BAD_INPUT)
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launch (DDP workers through torchrun's elastic agent)")
+    g.add_argument("--nproc-per-node", type=int, help="worker processes on this node (one per GPU)")
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1")
+    g.add_argument("--master-addr", help="rendezvous host (node 0's address that the others reach); multi-node only")
+    g.add_argument("--master-port", type=int, help="rendezvous port; a free one is chosen on one node")
+    g.add_argument("--max-restarts", type=int, default=0, help="restarts of failed workers (default 0)")
+    g.add_argument(
+        "--oversubscribe", action="store_true", help="on CPU, allow more processes than cores or than memory allows"
+    )
+    g.add_argument(
+        "--rdzv-timeout", type=int, default=300, help="seconds to reach node 0 and for all nodes to join (default 300)"
+    )
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, config: str | None, example: str) -> _Parser:
+    """A subcommand with `--config` (when `config` describes it) and KEY=VALUE overrides (when
+    `example` shows one)."""
+    p = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+    if config is not None:
+        p.add_argument("--config", help=config)
+    if example:
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
+    return p
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = _command(
+        sub, "bench", "throughput of each runner, strategy, world size and precision side by side",
+        "YAML config file (default workload: resnet18, 32×32 on the device, batch 64)", "precision=bf16",
+    )  # fmt: skip
+    b.add_argument("--runners", default="multicard,plain", help="multicard,plain,lightning,accelerate")
+    b.add_argument("--strategies", default="single,dp,ddp", help="single,dp,ddp,fsdp")
+    b.add_argument("--world-sizes", default="1,2,4,8", help="processes (ddp) or GPUs (dp), e.g. 1,2")
+    b.add_argument("--precisions", default="fp32", help="fp32,bf16,fp16")
+    b.add_argument(
+        "--ddp-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="extra ddp cells with these options, e.g. bf16:ddp.comm_hook=bf16 or zero1:ddp.shard_optimizer=true",
+    )  # fmt: skip
+    b.add_argument(
+        "--fsdp-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="extra fsdp cells with these options, e.g. zero2:fsdp.reshard_after_forward=false (repeatable)",
+    )  # fmt: skip
+    b.add_argument("--warmup", type=int, default=5, help="untimed steps per cell (default 5)")
+    b.add_argument("--steps", type=int, default=30, help="timed steps per cell (default 30)")
+    b.add_argument("--repeats", type=int, default=1, help="runs of every cell, alternating (default 1)")
+    b.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.png)")
+    b.add_argument(
+        "--logging", action="store_true",
+        help="multicard's cells log as train does: metrics.jsonl, TensorBoard and the trackers the config turns on",
+    )  # fmt: skip
+
+
+def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
+    v = _command(
+        sub, "verify", "check on this machine that N-process DDP trains like one process and resumes exactly",
+        "YAML config file", "model.name=smallcnn",
+    )  # fmt: skip
+    v.add_argument(
+        "--break", dest="faults", action="append", default=[], choices=FAULTS,
+        help="break the setup (no-set-epoch, rank-seed) or its checkpoints (rng, data-position) on purpose; repeatable",
+    )  # fmt: skip
+    v.add_argument("--nproc-per-node", type=int, default=2, help="processes of the DDP run (default 2)")
+    v.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default 4)")
+    v.add_argument("--checks", default=",".join(CHECKS), help=f"which checks to run (default {','.join(CHECKS)})")
+    v.add_argument("--keep", help="keep the runs' files in this directory")
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(prog="multicard", description="Train image classifiers on one device, DP or DDP.")
+    parser.add_argument("--version", action="version", version=f"multicard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.commands = sub.choices
+
+    t = _command(sub, "train", "train a model", "YAML config file", "train.epochs=5")
+    _add_launch_flags(t)
+
+    e = _command(sub, "eval", "evaluate a checkpoint exactly", None, "data.val_size=1000")
+    e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
+    e.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    e.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA of the weights (ema.decay)")
+    _add_launch_flags(e)
+
+    x = _command(sub, "export", "write a checkpoint's model as a plain state dict file", None, "")
+    x.add_argument("--checkpoint", required=True, help="checkpoint file or sharded checkpoint directory")
+    x.add_argument("--out", required=True, help="the state dict file to write, e.g. model.pt")
+    x.add_argument("--ema", action="store_true", help="write the checkpoint's EMA of the weights (ema.decay)")
+
+    r = _command(sub, "report", "pictures and a summary of runs, from their metrics.jsonl", None, "")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="out_dir of each run (several are overlaid)")
+    r.add_argument("--out", default="report.png", help="the PNG to write (default report.png)")
+
+    _add_bench_parser(sub)
+    add_plan_parser(sub)
+
+    k = _command(
+        sub, "pack", "pack a dataset into shards (tar in WebDataset's layout + an index) for shared storage",
+        "YAML config file (its data section names the dataset)", "data.name=imagefolder data.root=DIR",
+    )  # fmt: skip
+    k.add_argument("--out", help="the folder to pack into (new or empty; an unfinished pack there is continued)")
+    k.add_argument("--shard-mb", type=float, default=256.0, help="size of one shard in MiB (default 256)")
+    k.add_argument("--workers", type=int, default=0, help="packing processes (default 0: every core)")
+    k.add_argument("--verify", metavar="DIR", help="check a packed folder instead: sizes, checksums, members, labels")
+
+    i = _command(
+        sub, "input-split", "where input time goes per rank: storage reads, decoding, augmentation, copy to the device",
+        "YAML config file", "data.name=shards data.root=DIR",
+    )  # fmt: skip
+    i.add_argument("--world-size", type=int, default=1, help="ranks whose batches to measure (default 1)")
+    i.add_argument("--batches", type=int, default=4, help="micro-batches measured per rank (default 4)")
+
+    _add_verify_parser(sub)
+    _add_run_parser(sub)
+    return parser
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    u = sub.add_parser(
+        "run", help="run your own training script (multicard.Run) in one process or as N workers",
+        description="Run a training script that uses multicard.Run: in this process, or with --nproc-per-node "
+        "as DDP workers through torchrun's agent (graceful stop, stall reports, the same exit codes).",
+    )  # fmt: skip
+    _add_launch_flags(u)
+    u.add_argument(
+        "--stop-timeout", type=float, default=300.0,
+        help="seconds the workers get to checkpoint and exit after a stop signal (default 300)",
+    )  # fmt: skip
+    u.add_argument("script", help="the Python script to run")
+    u.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from multicard.tools.verify import VerifyFailed, VerifyOptions, verify
+
+    if detect_env().launched:
+        raise UserError("multicard verify starts its own processes; run it without torchrun or srun")
+    if args.keep:
+        check_output_folder(args.keep, "--keep")
+    options = VerifyOptions(
+        args.config, args.overrides, args.nproc_per_node, args.steps, args.faults, args.keep, args.checks.split(",")
+    )
+    failed = [o for o in verify(options) if o.failed]
+    if failed:
+        raise VerifyFailed(f"{len(failed)} check(s) failed: {'; '.join(o.name for o in failed)}")
+    return ExitCode.OK
+
+
+def _list(text: str, flag: str, kind: type = str) -> list:
+    try:
+        return [kind(item) for item in text.split(",") if item]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} must be a comma-separated list of {kind.__name__}s") from None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from multicard.tools.bench import BenchOptions, bench
+    from multicard.tools.bench.cells import parse_variant
+
+    if detect_env().launched:
+        raise UserError("multicard bench starts its own processes; run it without torchrun or srun")
+    check_output_folder(args.out, "--out")
+    options = BenchOptions(
+        config=args.config,
+        overrides=args.overrides,
+        runners=_list(args.runners, "--runners"),
+        strategies=_list(args.strategies, "--strategies"),
+        world_sizes=_list(args.world_sizes, "--world-sizes", int),
+        precisions=_list(args.precisions, "--precisions"),
+        variants=[
+            *(parse_variant(v, "ddp") for v in args.ddp_variant),
+            *(parse_variant(v, "fsdp") for v in args.fsdp_variant),
+        ],
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        out=args.out,
+        logging=args.logging,
+    )
+    rows = bench(options)
+    return ExitCode.OK if all(r["status"] != "failed" for r in rows) else ExitCode.INTERNAL
+
+
+def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
+    if args.nproc_per_node is None:
+        return _cloud_options(args, env)
+    if env.launched:
+        raise UserError(f"--nproc-per-node starts workers, but this process is already one ({env.source}); drop it")
+    return LaunchOptions(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        rdzv_timeout=args.rdzv_timeout,
+        oversubscribe=args.oversubscribe,
+    )
+
+
+def _cloud_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions | None:
+    """This node's workers as a Kubeflow TrainJob or a SkyPilot task describes the job (one command
+    per node, no launcher flags), or None: a plain process, or one a launcher already started."""
+    node = node_topology()
+    if node is None or env.launched:
+        return None
+    return LaunchOptions(
+        nproc_per_node=node.nproc_per_node or max(1, len(resolve_gpus([]))),
+        nnodes=node.nnodes,
+        node_rank=node.node_rank,
+        master_addr=node.master_addr if node.nnodes > 1 else None,
+        master_port=node.master_port if node.nnodes > 1 else None,
+        max_restarts=args.max_restarts,
+        rdzv_timeout=args.rdzv_timeout,
+        oversubscribe=args.oversubscribe,
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    env = detect_env()
+    options = _launch_options(args, env)
+    if options is None and cfg.strategy in ("ddp", "fsdp") and not env.launched:
+        # ddp or fsdp asked for without a launcher: one worker per GPU in use (one on CPU).
+        options = LaunchOptions(nproc_per_node=max(1, len(resolve_gpus(parse_devices(cfg.devices)))))
+    if options is None:
+        from multicard.cli.main import commands  # the training stack, loaded where it runs: not in a launcher
+
+        commands.train(cfg, env)
+        if env.launched and cfg.strategy == "fsdp":
+            end_process(ExitCode.OK)  # done and checkpointed: see end_process
+        return ExitCode.OK
+    topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
+    if not topology.gpus:
+        check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
+    check_run(cfg)
+    fresh = not Path(cfg.out_dir).exists()
+    out_dir = prepare_out_dir(cfg.out_dir)
+    worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
+    with RunLock(out_dir, made_out_dir=fresh) as lock:
+        if options.node_rank == 0:  # node 0 holds it for the whole job, restarts included
+            lock.acquire(print)
+        code = launch_workers(options, worker_argv, stop_timeout_s=cfg.checkpoint.stop_timeout_s)
+        if code == ExitCode.BAD_INPUT:
+            lock.refused()  # leaves out_dir as it found it (what a run wrote before failing stays)
+        return code
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from multicard.cli.main import commands
+
+    env = detect_env()
+    options = _launch_options(args, env)
+    if options is None:
+        commands.evaluate_checkpoint(args.checkpoint, args.overrides, env, args.json, args.ema)
+        return ExitCode.OK
+    if not commands.check_eval(args.checkpoint, args.overrides, options.world_size, options.nproc_per_node).gpus:
+        check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
+    flags = [*(["--json"] if args.json else []), *(["--ema"] if args.ema else [])]
+    worker_argv = ["eval", "--checkpoint", args.checkpoint, *flags, *args.overrides]
+    return launch_workers(options, worker_argv)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, with KEY=VALUE overrides accepted anywhere among the flags."""
+    parser = build_parser()
+    commands = parser.commands
+    if argv and argv[0] == "run":  # everything after the script is the script's
+        args = commands["run"].parse_args(argv[1:])
+        args.command = "run"
+        return args
+    if argv and argv[0] in commands:
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)  # --help, --version, or an unknown command: argparse says so
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from multicard.tools.pack import run_pack
+
+    print(run_pack(args.config, args.overrides, args.out, args.verify, args.shard_mb, args.workers))
+    return ExitCode.OK
+
+
+def _input_split(args: argparse.Namespace) -> int:
+    from multicard.tools.input_split import run_input_split
+
+    print("\n".join(run_input_split(args.config, args.overrides, args.world_size, args.batches)))
+    return ExitCode.OK
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from multicard.tools.plan.command import run_plan  # tracing and planning: loaded only for this command
+
+    options = plan_options(args)
+    if detect_env().launched:
+        raise UserError("multicard plan starts its own processes; run it without torchrun or srun")
+    if options.plans:
+        check_output_folder(options.out, "--out")
+    return run_plan(options)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from multicard.tools.report import report  # matplotlib: loaded only for this command
+
+    report(args.runs, args.out)
+    return ExitCode.OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`multicard run [--nproc-per-node N ...] SCRIPT ARGS`: the script as `python SCRIPT ARGS` would
+    run it, here or in N workers (one per GPU) started by torchrun's agent."""
+    import runpy
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise UserError(f"script {args.script} not found; give the path of a Python file (multicard run my_train.py)")
+    env = detect_env()
+    options = _launch_options(args, env)
+    if options is None:
+        saved = sys.argv
+        sys.argv = [str(script), *args.args]
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        finally:
+            sys.argv = saved
+        return ExitCode.OK
+    if not resolve_gpus([]):
+        check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
+    return launch_workers(options, args.args, stop_timeout_s=args.stop_timeout, script=str(script))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from multicard.cli.main import commands
+
+    commands.export(args.checkpoint, args.out, args.ema)
+    return ExitCode.OK
+
+
+def _check_local_paths(args: argparse.Namespace) -> None:
+    """The command line's own paths are local ones (config paths: config.check_paths)."""
+    for flag in ("checkpoint", "out", "verify", "keep", "config"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str):
+            check_local_path(value, f"--{flag}")
+    for run_dir in getattr(args, "runs", None) or []:
+        check_local_path(run_dir, "RUN_DIR")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    die_with_launcher(detect_env())
+    try:
+        _check_local_paths(args)
+        commands_by_name = {
+            "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
+            "plan": _plan, "pack": _pack, "input-split": _input_split, "run": _run,
+        }  # fmt: skip
+        if args.command == "train" and not detect_env().launched:
+            with BeforeTraining():  # a stop signal in start-up is one line too (a worker's launcher says it)
+                return _train(args)
+        return commands_by_name[args.command](args)
+    except (MulticardError, KeyboardInterrupt, RuntimeError) as exc:
+        code = report_error(exc)
+        if code is None:
+            raise  # a bug: the traceback is shown (exit 1)
+        return code
+
+

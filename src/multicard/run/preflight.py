@@ -1,0 +1,67 @@
+"""Cheap checks made before anything starts, by a launcher as by a training process: the out_dir
+can be written, the optional packages the config asks for are installed, and (`check_run`, the one
+list of a training run's checks) fsdp.units and the resume settings hold."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from multicard.base.atomic import probe_write
+from multicard.base.config import Config, check_local_path, to_dict
+from multicard.base.errors import UserError
+from multicard.checkpoint import check_resume_settings
+from multicard.observe.telemetry import check_tensorboard_folder, tensorboard_writer
+from multicard.observe.tracking import check_trackers
+
+
+def prepare_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"out_dir={path} cannot be created ({exc.strerror}); choose a writable out_dir") from None
+    if not os.access(out, os.W_OK):
+        raise UserError(f"out_dir={path} is not writable; choose a writable out_dir")
+    return out
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """The folder a command writes its results into (plan --out, bench --out, verify --keep) can
+    be: checked before any work, so a file in its place or a folder that cannot be written is one
+    line now, not a traceback after minutes of measuring. Nothing is created here; a file is
+    written and removed in the folder (or its nearest existing parent) to see, as permission bits
+    do not tell (root, read-only mounts)."""
+    check_local_path(path, flag)
+    out = Path(path).expanduser()
+    where = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not where.is_dir():
+        inside = "" if where == out else f": {where}"
+        raise UserError(f"{flag} {path}{inside} is a file; give a folder (the results are written inside it)")
+    try:
+        probe_write(where)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UserError(f"{flag} {path} cannot be written ({reason}); choose another folder") from None
+
+
+def check_extras(cfg: Config) -> None:
+    """Optional packages the config asks for are installed (one line naming the extra if not), and
+    the folder TensorBoard writes to can be written."""
+    if cfg.log.tensorboard:
+        tensorboard_writer()
+        check_tensorboard_folder(Path(cfg.out_dir) / "tensorboard")
+    check_trackers(cfg)
+
+
+def check_run(cfg: Config) -> None:
+    """Every cheap check of a training run, made once before it starts: by multicard's launcher
+    before it starts workers, else by the training process: fsdp.units against the model (built on
+    the meta device), the optional packages, and the resume settings against the checkpoint
+    train.resume would continue."""
+    if cfg.strategy == "fsdp":
+        from multicard.strategy.fsdp_units import check_units  # the strategies' package loads torch's sharding stack
+
+        check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
+    check_extras(cfg)
+    check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))

@@ -1,0 +1,405 @@
+"""Starting DDP workers: torchrun's own elastic launcher, never a home-made one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from multicard.base.config import CheckpointConfig
+from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
+from multicard.base.host_memory import available_memory
+from multicard.runtime.process_group import LAUNCHER_PID, cpu_cores, wait_for_master
+from multicard.runtime.stopping import STOP_SIGNALS, hand_over, quit_line
+
+# The launcher passes these on to the workers (StopRelay): they checkpoint and exit 128 + signal,
+# or quit at once on SIGQUIT (stopping.py). torch's agent handles none of them: it would give a
+# stop 30 s, then kill the workers, and speak in lines of its own.
+SIGNALS_TO_FORWARD = (*STOP_SIGNALS, signal.SIGQUIT)
+KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for a worker stuck in the kernel before giving up on it
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    rdzv_timeout: int = 300  # seconds a node waits to reach node 0 and for all nodes to join
+    oversubscribe: bool = False  # on CPU, allow more processes than cores or than memory allows
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UserError(f"--nproc-per-node {self.nproc_per_node} must be at least 1")
+        if self.nnodes < 1:
+            raise UserError(f"--nnodes {self.nnodes} must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise UserError("--nnodes > 1 needs --master-addr and --master-port (the rendezvous host of node 0)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UserError(f"--master-port {self.master_port} must be in 1..65535")
+        if self.rdzv_timeout < 1:
+            raise UserError(f"--rdzv-timeout {self.rdzv_timeout} must be at least 1 second")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+WORKER_MEMORY = 1 << 29  # bytes a CPU worker needs at the least: torch itself, before any data (~0.5 GiB)
+
+
+def check_cpu_capacity(nproc: int, oversubscribe: bool) -> None:
+    """CPU workers share this node's cores and memory: more than it has is refused up front
+    (64 processes on 2 cores take minutes to start and can exhaust memory) unless asked for."""
+    if oversubscribe:
+        return
+    cores = cpu_cores()
+    if nproc > cores:
+        raise UserError(
+            f"--nproc-per-node {nproc} starts more CPU processes than the {cores} core(s) this process may use; "
+            f"use --nproc-per-node {cores} or fewer, or add --oversubscribe"
+        )
+    memory = available_memory()
+    if nproc * WORKER_MEMORY > memory:
+        fits = max(1, memory // WORKER_MEMORY)
+        raise UserError(
+            f"--nproc-per-node {nproc} CPU processes need about {nproc * WORKER_MEMORY / 2**30:.1f} GiB, more than the "
+            f"{memory / 2**30:.1f} GiB available; use --nproc-per-node {fits} or fewer, or add --oversubscribe"
+        )
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(port: int) -> None:
+    """Node 0 hosts the rendezvous on `port`: say so now if something else holds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise UserError(
+                f"--master-port {port} is in use on this machine; choose another port "
+                f"(or omit --master-port on a single node to get a free one)"
+            ) from None
+
+
+def route_addr(host: str, port: int) -> str | None:
+    """This node's address on the route to `host`: where the other nodes can reach it.
+
+    None (torch then uses the host name) when that route is loopback, i.e. `host` names this
+    machine through 127.x, which other nodes could not use.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: picks the route and source address, sends nothing
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
+
+
+def _rendezvous(options: LaunchOptions, addr: str, port: int) -> dict:
+    """LaunchConfig fields for c10d rendezvous: on a private port (one node, as torchrun
+    --standalone) or hosted by node 0's agent at --master-addr:--master-port."""
+    if options.nnodes == 1:
+        private = f"multicard-{uuid.uuid4().hex[:8]}"
+        # Hosted here, said outright: else, on a port another process took since free_port chose it,
+        # torch's agent quietly joins that process's store, and the job dies when that process ends.
+        rendezvous = {"rdzv_endpoint": f"{addr}:{port}", "run_id": private, "rdzv_configs": {"is_host": True}}
+        return {"rdzv_backend": "c10d", **rendezvous}
+    return {
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": f"{addr}:{port}",
+        "run_id": f"multicard-{addr}-{port}",
+        # Node 0 hosts the store, said outright: torch's guess (the endpoint matching the host
+        # name's addresses) fails on machines with several interfaces.
+        "rdzv_configs": {
+            "is_host": options.node_rank == 0,
+            "join_timeout": options.rdzv_timeout,
+            "read_timeout": options.rdzv_timeout,
+        },
+        # Rank 0's agent hands its workers a store at this address; the other nodes must reach it.
+        "local_addr": route_addr(addr, port),
+    }
+
+
+def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, dict | None]:
+    """Run `python -m <module> workdir/spec.json` in nproc workers (bench cells, verify runs).
+
+    The spec gets a "result" path for rank 0's JSON answer; returns (exit code, that answer).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = workdir / "result.json"
+    result.unlink(missing_ok=True)
+    (workdir / "spec.json").write_text(json.dumps({**spec, "result": str(result)}))
+    code = launch_workers(LaunchOptions(nproc_per_node=nproc), [str(workdir / "spec.json")], module)
+    return code, json.loads(result.read_text()) if result.exists() else None
+
+
+def _failures(exc: ChildFailedError) -> list[tuple[int, int]]:
+    """(rank, exit code) of each failed worker, in the order they failed."""
+    by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+    return [(rank, f.exitcode if f.exitcode >= 0 else 128 - f.exitcode) for rank, f in by_time]
+
+
+def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+    """(rank, exit code) of the failure that ended the job, from (rank, code) in the order the
+    workers failed: a rank that said why (its own error) rather than peers that then lost their
+    connection or were stopped by the agent; else a rank killed by a signal; else the first to fail."""
+    for pick in (
+        lambda c: c in SELF_REPORTED and c not in STOPPED_BY_SIGNAL,
+        lambda c: c > 128 and c not in STOPPED_BY_SIGNAL,  # killed by a signal nobody sent on purpose
+        lambda c: c != ExitCode.PEER_LOST,
+        lambda c: True,
+    ):
+        for rank, code in failures:
+            if pick(code):
+                return rank, code
+    raise AssertionError("a failed job has failures")
+
+
+def _describe(rank: int, code: int) -> str | None:
+    """The launcher's line for a worker that could not say why it ended (None: it did)."""
+    if code in SELF_REPORTED:
+        return None
+    if code == ExitCode.PEER_LOST:
+        return f"rank {rank} lost its connection to the other ranks (a node or the network went away?)"
+    if code > 128:
+        sig = signal.Signals(code - 128)
+        why = ": out of memory?" if sig == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {sig.name} (signal {code - 128}{why}); exit code {code}"
+    return f"worker rank {rank} failed with exit code {code} (its traceback is above)"
+
+
+def _workers() -> dict[int, int]:
+    """pid → global rank of this launcher's workers: its child processes (torch's agent starts
+    each in a process group of its own, with its data-loader processes)."""
+    me, found = os.getpid(), {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                ranks = [v for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")]
+                found.update({int(entry.name): int(ranks[0][5:])} if ranks else {})
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def _ended(pid: int) -> tuple[int, bool] | None:
+    """(exit code, killed by a signal) of a worker that has ended, left for the agent to reap; None: running."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0, False  # already reaped: it ended, how is no longer known
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status, False
+    return 128 + info.si_status, True
+
+
+class StopRelay:
+    """The launcher's handling of SIGNALS_TO_FORWARD, in place of torch's agent's.
+
+    The first signal goes to every worker's process group; the launcher then waits up to
+    `timeout` seconds (checkpoint.stop_timeout_s) for them to checkpoint and exit, and kills them
+    after that, or at once after a second SIGINT (a SIGQUIT is passed on: stacks show where a
+    slow stop is). The agent's run then ends with SignalException, so no restart follows a stop,
+    and `report` says in one line what happened (nothing when rank 0 has said it).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.signum = 0
+        self.quit = False  # a second SIGINT: workers killed
+        self.timed_out = False
+        self.ended: dict[int, tuple[int, int, bool]] = {}  # pid → (rank, exit code, killed by a signal), in order
+        self._ranks: dict[int, int] = {}
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRelay:
+        if threading.current_thread() is threading.main_thread():  # only it may handle signals
+            for sig in SIGNALS_TO_FORWARD:
+                self._previous[sig] = signal.signal(sig, self._handle)
+                hand_over(self._previous[sig])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum:  # while waiting for the stop (the handler runs again inside _wait)
+            if signum == signal.SIGINT == self.signum:
+                self.quit = True
+            elif signum == signal.SIGQUIT:
+                self._send(signum)
+            return
+        self.signum = signum
+        self._ranks = _workers()
+        self._send(signum)
+        self._wait()
+        raise SignalException(f"multicard's launcher got {signal.Signals(signum).name}", signal.Signals(signum))
+
+    def _send(self, signum: int) -> None:
+        for pid in self._ranks:
+            if pid not in self.ended:
+                try:
+                    os.killpg(pid, signum)
+                except ProcessLookupError:
+                    pass  # ended meanwhile
+
+    def _wait(self) -> None:
+        """Until every worker has ended. Killed: on a second SIGINT, past the timeout, or once one
+        died of the signal itself (it had no handler yet; the others cannot agree on a stop without it)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            for pid, rank in self._ranks.items():
+                if pid not in self.ended and (status := _ended(pid)) is not None:
+                    self.ended[pid] = (rank, *status)
+            if len(self.ended) == len(self._ranks) or time.monotonic() > deadline + KILL_WAIT_S:
+                return
+            self.timed_out = self.timed_out or (time.monotonic() > deadline and not self.quit)
+            if self.quit or self.timed_out or self._unprepared():
+                self._send(signal.SIGKILL)
+            time.sleep(0.05)
+
+    def _unprepared(self) -> list[int]:
+        """Ranks the signal itself ended: they had not yet started training (no handler)."""
+        return [rank for rank, code, killed in self.ended.values() if killed and code == 128 + self.signum]
+
+    def report(self, training: bool) -> int:
+        """Say what the stop came to, in at most one line; its exit code."""
+        name = signal.Signals(self.signum).name
+        stopped = ExitCode.for_signal(self.signum)
+        if self.quit:
+            print(quit_line(self.signum), file=sys.stderr)
+            return stopped
+        if self.timed_out:
+            print(
+                f"multicard: error: the stop on {name} took longer than {self.timeout:g} s; workers killed before "
+                f"their checkpoint was complete (the last one written stays); raise checkpoint.stop_timeout_s",
+                file=sys.stderr,
+            )
+            return stopped
+        if not self.ended or self._unprepared():
+            tail = " before training started; nothing to save" if training else "; workers terminated"
+            print(f"multicard: stopped by {name}{tail}", file=sys.stderr)
+            return stopped
+        failures = [(rank, code) for rank, code, _ in self.ended.values() if code != ExitCode.OK]
+        if not failures:
+            return ExitCode.OK  # the job ended before the stop took effect
+        rank, code = _cause(failures)
+        line = _describe(rank, code)
+        if line is not None:
+            print(f"multicard: error: {line}", file=sys.stderr)
+        return code
+
+
+def _quiet_torch_agent() -> None:
+    """torch's agent logs each worker's end and each signal; our one line says what matters.
+    Its modules set their loggers' levels themselves, so each is raised, not just their parent."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch_workers(
+    options: LaunchOptions,
+    worker_argv: list[str],
+    module: str = "multicard",
+    stop_timeout_s: float = CheckpointConfig.stop_timeout_s,
+    script: str | None = None,
+) -> int:
+    """Run `python -m <module> <worker_argv>` (or, given a `script`, `python <script> <worker_argv>`:
+    a user's loop with multicard.Run) in nproc_per_node workers; return the exit code. A signal to
+    the launcher gives the workers up to `stop_timeout_s` to stop (StopRelay).
+
+    Several nodes: ranks follow the rendezvous order (by node address), not --node-rank, which
+    only says which node hosts the rendezvous.
+    """
+    program = [script, *worker_argv] if script is not None else ["-m", module, *worker_argv]
+    relay = StopRelay(stop_timeout_s)
+    try:
+        with relay:  # from the start: a signal while waiting for node 0 or the rendezvous is answered too
+            return _launch(options, program)
+    except SignalException:
+        # A signal to the launcher: StopRelay has passed it on and the workers have ended.
+        return relay.report(training=script is not None or (module == "multicard" and worker_argv[:1] == ["train"]))
+
+
+def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> int:
+    addr = options.master_addr or "127.0.0.1"
+    port = options.master_port or free_port()
+    if options.master_port is not None and options.node_rank == 0:
+        check_port_free(port)
+    if options.nnodes > 1 and options.node_rank != 0:
+        hint = "start node 0 with the same --master-addr/--master-port, open that port, or raise --rdzv-timeout"
+        wait_for_master(addr, port, options.rdzv_timeout, hint)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: they die with this process
+    _quiet_torch_agent()
+    logs = tempfile.mkdtemp(prefix="multicard-launch-")  # else torch's agent leaves a directory in /tmp per run
+    config = LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
+        nproc_per_node=options.nproc_per_node,
+        max_restarts=options.max_restarts,
+        monitor_interval=0.1,
+        signals_to_handle="",  # none: StopRelay handles them
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
+        **_rendezvous(options, addr, port),
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*program)
+    except RendezvousTimeoutError:
+        raise UserError(
+            f"not all {options.nnodes} nodes joined the rendezvous at {addr}:{port} within "
+            f"{options.rdzv_timeout} s; start every node with the same --nnodes/--master-addr/--master-port "
+            f"or raise --rdzv-timeout"
+        ) from None
+    except RendezvousConnectionError:
+        if options.master_port is None and options.nnodes == 1 and port_tries > 1:
+            return _launch(options, program, port_tries - 1)  # its free port was taken meanwhile
+        raise UserError(
+            f"rendezvous at {addr}:{port} failed: this node cannot host its store there (the port is taken, or the "
+            f"address is not this machine's); choose another --master-port or --master-addr"
+        ) from None
+    except RendezvousError as exc:
+        raise UserError(f"rendezvous at {addr}:{port} failed ({exc}); see docs/multinode.md") from None
+    except ChildFailedError as exc:
+        rank, code = _cause(_failures(exc))
+        line = _describe(rank, code)
+        if line is not None:
+            print(f"multicard: error: {line}", file=sys.stderr)
+        return code
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    return ExitCode.OK

@@ -1,0 +1,603 @@
+"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (data/shards.py).
+
+    multicard pack --out /shared/cifar10-shards data.name=imagefolder data.root=/data/cifar10
+    multicard pack --verify /shared/cifar10-shards
+
+The dataset is what `data.*` names (an image folder, CIFAR-10, a dataset function, a Hugging Face
+dataset), split as training would split it. Image files keep their encoded bytes; images that come
+as pixels are stored as PNG (lossless: the loaders decode the same pixels).
+
+Samples are stored in a fixed shuffled order (`stored_order`), the index saying where each one is.
+Every core packs: the stored order is cut into chunks that processes read (bytes and header only;
+no image is decoded) into tar members in `.partial/`; then processes copy runs of chunks into
+shards of about `--shard-mb`. Everything is written under a temporary name and renamed when whole, and the
+index comes last, so an interrupted pack never looks complete; a rerun continues from the chunks
+already packed, or starts over when the source or the options changed, and says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from multicard.base.atomic import remove_temporaries, write_text_atomic
+from multicard.base.config import READS_ROOT, DataConfig
+from multicard.base.errors import UserError
+from multicard.base.version import __version__
+from multicard.data import capped_to_cores
+from multicard.data.encoded import PIL_ERRORS, EncodedImage, opened
+from multicard.data.shards import (
+    BLOCK,
+    COLUMNS,
+    FORMAT,
+    HEADER,
+    INDEX,
+    PARTIAL,
+    VERSION,
+    Index,
+    check_shards,
+    check_splits,
+    padded,
+    read_index,
+)
+from multicard.data.sources import Files, Items, Source, Splits
+from multicard.data.user import read_item
+from multicard.runtime.process_group import cpu_cores, die_with_parent
+
+MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
+EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
+COPY_BYTES = 8 << 20
+STORED_ORDER_SEED = 0
+RECORDS = ("length", "label", "width", "height", *HEADER)  # what reading a chunk's samples tells, per sample
+# What a failed write of a pack (disk full, quota) advises: what was finished is kept, the rest removed.
+RERUN = "free space or choose another --out, then run the same command: it continues from the chunks already packed"
+
+
+# ---------------------------------------------------------------- what one sample becomes
+
+
+def member_header(name: str, size: int) -> bytes:
+    """A tar member's 512-byte ustar header (no time, owner or mode that differ between runs)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+
+
+def sample_block(key: str, data: bytes, ext: str, label: int) -> bytes:
+    """`<key>.<ext>` with the image's bytes, then `<key>.cls` with its label: WebDataset's layout.
+    The image's bytes start BLOCK bytes into the block."""
+    cls = str(label).encode()
+    parts = [member_header(f"{key}.{ext}", len(data)), data, bytes(padded(len(data)) - len(data))]
+    parts += [member_header(f"{key}.cls", len(cls)), cls, bytes(BLOCK - len(cls))]
+    return b"".join(parts)
+
+
+def block_size(length: int) -> int:
+    return BLOCK + padded(length) + 2 * BLOCK
+
+
+def extension(format: str) -> str:
+    """The image member's extension for Pillow's format name."""
+    return EXTENSIONS.get(format, (format or "img").lower())
+
+
+def _png(pixels: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    hwc = np.ascontiguousarray(pixels.numpy().transpose(1, 2, 0))  # numpy: no torch thread pool in a forked process
+    Image.fromarray(hwc).save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+def read_sample(source: Source, i: int) -> tuple[bytes, str, int, int, int, str, str]:
+    """(encoded bytes, extension, label, width, height, format, mode) of sample i; only a file's header is parsed."""
+    if isinstance(source, Files):
+        image, label = EncodedImage.read(source.root / source.paths[i]), int(source.labels[i])
+    elif isinstance(source, Items):
+        image, label = read_item(source, i)
+        label = int(label)
+    else:
+        image, label = source.images[i], int(source.labels[i])
+    if isinstance(image, EncodedImage):
+        return image.data, extension(image.format or ""), label, *image.size, image.format or "", image.mode
+    return _png(image), "png", label, image.shape[-1], image.shape[-2], "PNG", "RGB"
+
+
+# ---------------------------------------------------------------- the plan: chunks of each split
+
+
+@dataclass(frozen=True)
+class Chunk:
+    split: str
+    number: int
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.split}-{self.number:05d}"
+
+
+def chunk_size(n: int) -> int:
+    return max(8, min(MAX_CHUNK, math.ceil(n / 64)))
+
+
+def stored_order(n: int) -> list[int]:
+    """The sample stored at each position of a split's shards: a fixed shuffle, so that neighbours in
+    a shard are a mix of classes (a locality-aware order reads runs of them: data/shards.py). The
+    index gives each sample where it is, so the split's order stays the source's."""
+    # numpy, not torch: packing processes are forked, and torch's thread pool can hang after a fork
+    return np.random.default_rng(STORED_ORDER_SEED).permutation(n).tolist()
+
+
+def plan_chunks(sizes: dict[str, int]) -> list[Chunk]:
+    chunks = []
+    for split, n in sizes.items():
+        step = chunk_size(n)
+        chunks += [Chunk(split, k, s, min(s + step, n)) for k, s in enumerate(range(0, n, step))]
+    return chunks
+
+
+def fingerprint(splits: Splits) -> str:
+    """What the source is: files by path, label, size and time; pixels by content; a dataset's items
+    by name and count (their contents are not read twice)."""
+    h = hashlib.sha256(json.dumps(splits.classes).encode())
+    for source in (splits.train, splits.val):
+        if isinstance(source, Files):
+            for path, label in zip(source.paths, source.labels.tolist(), strict=True):
+                st = os.stat(source.root / path)
+                h.update(f"{source.root / path}\t{label}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+        elif isinstance(source, Items):
+            h.update(f"{source.name}\t{len(source.dataset)}\t{type(source.dataset).__name__}\n".encode())
+            h.update(source.indices.numpy().tobytes())
+        else:
+            h.update(np.ascontiguousarray(source.images.numpy()).tobytes())
+            h.update(source.labels.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------- work done by the packing processes
+
+_SPLITS: Splits | None = None  # set before the processes fork: they inherit the sources
+
+
+def _worker_signals(parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool (and says so in one line)
+    # A parent killed (SIGKILL) reads no more results: its workers end with it, quietly (SIGTERM),
+    # not with tracebacks of broken pipes when they send the next one.
+    die_with_parent(parent)
+
+
+def _records_path(partial: Path, chunk: Chunk) -> Path:
+    return partial / f"{chunk.name}.json"
+
+
+def pack_chunk(partial: Path, chunk: Chunk) -> int:
+    """Chunk's samples as tar members in `<chunk>.part`, and their records in `<chunk>.json`
+    (written last: a chunk counts as packed when it has one)."""
+    source = getattr(_SPLITS, chunk.split)
+    records: dict[str, list] = {key: [] for key in (*RECORDS, "sha256")}
+    tmp = partial / f".{chunk.name}.part.tmp"
+    order = stored_order(len(source))
+    try:
+        with tmp.open("wb") as f:
+            for i in order[chunk.start : chunk.stop]:
+                data, ext, label, width, height, format, mode = read_sample(source, i)  # its errors: one line
+                f.write(sample_block(f"{i:08d}", data, ext, label))
+                for key, value in zip(RECORDS, (len(data), label, width, height, ext, format, mode), strict=True):
+                    records[key].append(value)
+                records["sha256"].append(hashlib.sha256(data).hexdigest())
+        os.replace(tmp, partial / f"{chunk.name}.part")
+    except OSError as exc:
+        raise cannot_write(partial / f"{chunk.name}.part", exc) from None
+    finally:
+        tmp.unlink(missing_ok=True)  # only finished chunks stay
+    write_text_atomic(_records_path(partial, chunk), json.dumps(records), RERUN)
+    return chunk.stop - chunk.start
+
+
+def cannot_write(path: Path, exc: OSError) -> UserError:
+    """A write of the pack failed (disk full, quota, read-only): as atomic.write_atomic says it."""
+    return UserError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {RERUN}")
+
+
+def write_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> tuple[str, int, str]:
+    """Copy byte ranges (part file, start, length) into shard `name`, end it as a tar, rename it whole.
+    (name, bytes, sha256)."""
+    h = hashlib.sha256()
+    tmp = out / f".{name}.tmp"
+    try:
+        with tmp.open("wb") as f:
+            for part, start, length in pieces:
+                _copy(partial / part, start, length, f, h)
+            end = bytes(2 * BLOCK)  # the end-of-archive marker
+            h.update(end)
+            f.write(end)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, out / name)
+    except OSError as exc:
+        raise cannot_write(out / name, exc) from None
+    finally:
+        tmp.unlink(missing_ok=True)  # only whole shards stay
+    return name, size, h.hexdigest()
+
+
+def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
+    """`length` bytes of `part` from `start` into `f`, and into the hash `h`."""
+    with part.open("rb") as src:
+        src.seek(start)
+        while length:
+            buffer = src.read(min(COPY_BYTES, length))
+            h.update(buffer)
+            f.write(buffer)
+            length -= len(buffer)
+
+
+def _write_shard(args: tuple) -> tuple[str, int, str]:
+    return write_shard(*args)
+
+
+def _pack_chunk(args: tuple) -> int:
+    return pack_chunk(*args)
+
+
+# ---------------------------------------------------------------- the command
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    out: Path
+    shard_mb: float = 256.0
+    workers: int = 0  # 0: every core
+
+
+def describe(d: DataConfig) -> str:
+    settings = {"name": d.name, "root": d.root, "val_root": d.val_root, "kwargs": dict(d.kwargs) or None}
+    return " ".join(f"data.{key}={value}" for key, value in settings.items() if value)
+
+
+def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
+    """'fresh', 'continuing', 'done' or 'starting over': what the folder holds, made ready for this plan."""
+    partial = out / PARTIAL
+    if (out / INDEX).is_file():
+        try:
+            index = json.loads((out / INDEX).read_text())
+            same = index.get("fingerprint") == plan["fingerprint"] and index.get("plan") == plan
+        except (OSError, ValueError):
+            same = False
+        if same:
+            return "done"
+        say(f"multicard pack: starting over in {out}: its pack was made from another source or with other options")
+        (out / INDEX).unlink()  # first: from here on the folder no longer looks complete
+        _clear(out)
+        return "starting over"
+    if partial.is_dir():
+        try:
+            same = json.loads((partial / "plan.json").read_text()) == plan
+        except (OSError, ValueError):
+            same = False
+        if same:
+            return "continuing"
+        say(f"multicard pack: starting over in {out}: its unfinished pack was of another source or other options")
+        _clear(out)
+        return "starting over"
+    check_out(out)
+    return "fresh"
+
+
+def check_out(out: Path) -> None:
+    """A new or empty folder, or one holding a pack (finished or not): never another's files."""
+    if (out / INDEX).is_file() or (out / PARTIAL).is_dir():
+        return
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and holds no pack; choose a new or empty folder")
+
+
+def _clear(out: Path) -> None:
+    shutil.rmtree(out / PARTIAL, ignore_errors=True)
+    for path in out.glob("*.tar"):
+        path.unlink()
+    for path in out.glob(".*.tmp"):
+        path.unlink()
+
+
+def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: int) -> tuple[list, dict[str, dict]]:
+    """Cut each split's chunks into shards of about shard_bytes (at sample boundaries).
+
+    ([(shard name, [(part file, start, length)])], {split: index columns, and its shards' names})."""
+    shards: list[tuple[str, list[tuple[str, int, int]]]] = []
+    columns = {}
+    for split in dict.fromkeys(c.split for c in chunks):
+        cols: dict[str, list] = {key: [] for key in (*COLUMNS, *HEADER)}
+        names: list[str] = []
+        pieces: list[tuple[str, int, int]] = []
+        filled = 0  # bytes of the shard being planned
+        for chunk in (c for c in chunks if c.split == split):
+            rec, part, at = records[chunk.name], f"{chunk.name}.part", 0
+            for k, length in enumerate(rec["length"]):
+                size = block_size(length)
+                if filled and filled + size > shard_bytes:
+                    names.append(f"{split}-{len(names):05d}.tar")
+                    shards.append((names[-1], pieces))
+                    pieces, filled = [], 0
+                if pieces and pieces[-1][0] == part and pieces[-1][1] + pieces[-1][2] == at:
+                    pieces[-1] = (part, pieces[-1][1], pieces[-1][2] + size)  # one copy per run of samples
+                else:
+                    pieces.append((part, at, size))
+                cols["shard"].append(len(names))
+                cols["offset"].append(filled + BLOCK)
+                for key in RECORDS:
+                    cols[key].append(rec[key][k])
+                filled, at = filled + size, at + size
+        names.append(f"{split}-{len(names):05d}.tar")  # every split has samples: the last shard is never empty
+        shards.append((names[-1], pieces))
+        order = stored_order(len(cols["shard"]))  # stored position → sample: the index lists samples in order
+        columns[split] = {**{key: [values[p] for p in np.argsort(order)] for key, values in cols.items()},
+                          "names": names}  # fmt: skip
+    return shards, columns
+
+
+def write_index(out: Path, classes: list[str], plan: dict, columns: dict[str, dict], written: dict[str, dict]) -> None:
+    """index.json, written last: from then on the pack is complete."""
+    index = {
+        "format": FORMAT, "version": VERSION, "multicard": __version__, "classes": classes,
+        "fingerprint": plan["fingerprint"], "source": plan["source"], "plan": plan, "splits": {},
+    }  # fmt: skip
+    for split, cols in columns.items():
+        index["splits"][split] = {"shards": [written[n] for n in cols.pop("names")], **cols}
+    index["digest"] = index_digest(index)
+    write_text_atomic(out / INDEX, json.dumps(index), RERUN)
+    (out / INDEX).chmod(0o644)  # readable by everyone, as the shards are (mkstemp makes it private)
+
+
+def samples_digest(stored: list[str], n: int) -> str | None:
+    """A split's n samples as one checksum, whatever its shards: of each sample's sha256 (given in
+    stored order) in the split's order. None where they are not all known (chunks packed by an
+    earlier multicard)."""
+    if len(stored) != n:
+        return None
+    by_sample = [b""] * n
+    for position, sample in enumerate(stored_order(n)):
+        by_sample[sample] = bytes.fromhex(stored[position])
+    return hashlib.sha256(b"".join(by_sample)).hexdigest()
+
+
+def index_digest(index: dict[str, Any]) -> str:
+    """What the index says, as one checksum: pack --verify tells an index changed after packing
+    (class names, source) from the one pack wrote."""
+    stated = {key: value for key, value in index.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(stated, sort_keys=True).encode()).hexdigest()
+
+
+def _chunks_to_pack(
+    out: Path, plan: dict[str, Any], sizes: dict[str, int], continuing: bool, console: Any
+) -> tuple[Path, list[Any], list[Any]]:
+    """The unfinished pack's folder (made, with the plan in it), every chunk, and those not packed yet."""
+    partial = out / PARTIAL
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise cannot_write(partial, exc) from None
+    write_text_atomic(partial / "plan.json", json.dumps(plan), RERUN)
+    chunks = plan_chunks(sizes)
+    todo = [c for c in chunks if not _records_path(partial, c).is_file()]
+    if continuing:
+        console.print(
+            f"multicard pack: continuing the unfinished pack in {out}: {len(chunks) - len(todo)} of {len(chunks)} "
+            f"chunks already packed",
+            highlight=False,
+        )
+    return partial, chunks, todo
+
+
+def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=None) -> str:
+    """Pack the splits into options.out; the one-line summary of what was done."""
+    from rich.console import Console
+
+    console = progress_console or Console(stderr=True)
+    out = options.out
+    sizes = {"train": len(splits.train), "val": len(splits.val)}
+    plan = {
+        "fingerprint": fingerprint(splits), "source": describe(d), "shard_bytes": int(options.shard_mb * 2**20),
+        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": VERSION,
+        "stored_order_seed": STORED_ORDER_SEED,
+    }  # fmt: skip
+    state = _prepare_out(out, plan, lambda line: console.print(line, highlight=False))
+    if state == "done":
+        return f"{out} already holds this pack ({sum(sizes.values())} samples); multicard pack --verify {out} checks it"
+    partial, chunks, todo = _chunks_to_pack(out, plan, sizes, state == "continuing", console)
+    # The same cap as data.num_workers: more processes than cores only compete for them.
+    workers = capped_to_cores(options.workers or cpu_cores(), f"--workers {options.workers}", 1, say=True)
+    try:
+        index_columns, written = _pack_in_processes(splits, out, chunks, todo, plan, workers, console)
+    finally:  # a failed or stopped pack keeps its finished chunks and shards, and nothing half-written
+        remove_temporaries(out)
+        remove_temporaries(partial)
+    write_index(out, splits.classes, plan, index_columns, written)
+    shutil.rmtree(partial, ignore_errors=True)
+    total = sum(s["bytes"] for s in written.values())
+    return (
+        f"packed {sizes['train']} training and {sizes['val']} validation samples into {len(written)} shard(s), "
+        f"{total / 2**20:.1f} MiB, in {out}"
+    )
+
+
+def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: list[Chunk], plan: dict[str, Any],
+                       workers: int, console: Any) -> tuple[dict[str, dict], dict[str, dict]]:  # fmt: skip
+    """Pack the chunks still to do, then write the shards, in `workers` processes: (index columns, shards written)."""
+    from rich import progress
+
+    global _SPLITS
+    partial = out / PARTIAL
+    columns = [progress.TextColumn("{task.description}"), progress.BarColumn(), progress.MofNCompleteColumn(),
+               progress.TimeElapsedColumn(), progress.TextColumn("ETA"), progress.TimeRemainingColumn()]  # fmt: skip
+    _SPLITS = splits
+    context = multiprocessing.get_context("fork")  # the processes inherit the sources (no pickling)
+    try:
+        pool = context.Pool(workers, initializer=_worker_signals, initargs=(os.getpid(),))
+        # Transient: the bar goes when done; the one line that follows says what was done, or what failed.
+        with pool, progress.Progress(*columns, console=console, transient=True) as bar:  # leaving ends the processes
+            done = sum(c.stop - c.start for c in chunks if c not in todo)
+            reading = bar.add_task("reading samples", total=sum(plan["sizes"].values()), completed=done)
+            for n in pool.imap_unordered(_pack_chunk, [(partial, c) for c in todo]):
+                bar.advance(reading, n)
+            records = {c.name: json.loads(_records_path(partial, c).read_text()) for c in chunks}
+            shards, index_columns = _shard_pieces(chunks, records, plan["shard_bytes"])
+            for split, cols in index_columns.items():
+                stored = [h for c in chunks if c.split == split for h in records[c.name].get("sha256", [])]
+                cols["samples_sha256"] = samples_digest(stored, plan["sizes"][split])
+            writing = bar.add_task("writing shards", total=len(shards))
+            written = {}
+            for name, size, digest in pool.imap_unordered(_write_shard, [(partial, out, n, p) for n, p in shards]):
+                written[name] = {"name": name, "bytes": size, "sha256": digest}
+                bar.advance(writing)
+    finally:
+        _SPLITS = None
+    return index_columns, written
+
+
+# ---------------------------------------------------------------- verify
+
+
+def verify_pack(out: Path) -> str:
+    """Everything the index states: its entries (read_index: inside their shards, labels of its
+    classes), both splits with the counts the pack planned, every shard whole (size, sha256), its
+    members where the index says with the index's labels, each image's size, format and mode as
+    the index gives them, the checksum of each split's samples, and the index as pack wrote it
+    (its digest: class names, source)."""
+    index = read_index(out, f"--verify {out}")
+    raw = json.loads(index.path.read_text())
+    check_splits(index)
+    samples = sum(_verify_split(index, raw, name) for name in index.splits)
+    if "digest" in raw and raw["digest"] != index_digest(raw):  # packs of before the digest have none
+        raise UserError(f"index {index.path} was changed after packing (its class names or source differ); pack again")
+    shards = sum(len(s.shards) for s in index.splits.values())
+    return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels, images)"
+
+
+def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
+    """verify_pack's checks of one split; its number of samples."""
+    split = index.splits[name]
+    planned = raw.get("plan", {}).get("sizes", {}).get(name, len(split))
+    if planned != len(split):
+        raise UserError(f"index {index.path} lists {len(split)} {name} samples, its pack {planned}; pack again")
+    check_shards(split)
+    hashes = [b""] * len(split)  # each sample's sha256, filled by the members' check
+    for number, path in enumerate(split.shards):
+        _check_checksum(path, raw["splits"][name]["shards"][number]["sha256"])
+        mine = np.flatnonzero(split.columns["shard"] == number)
+        mine = mine[np.argsort(split.columns["offset"][mine])]  # in the order they are stored
+        _check_members(index, name, path, mine, hashes)
+    if split.samples_sha256 is not None and hashlib.sha256(b"".join(hashes)).hexdigest() != split.samples_sha256:
+        raise UserError(f"index {index.path}: the checksum of the {name} samples differs from its record; pack again")
+    return len(split)
+
+
+def _check_checksum(path: Path, expected: str) -> None:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while buffer := f.read(COPY_BYTES):
+            h.update(buffer)
+    if h.hexdigest() != expected:
+        raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
+
+
+def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, hashes: list[bytes]) -> None:
+    """The shard's members are the samples `mine` (in stored order) where the index says, with its
+    labels and headers; each one's sha256 into `hashes`."""
+    cols, ext = index.splits[split_name].columns, index.splits[split_name].header["ext"]
+    try:
+        with tarfile.open(path) as tar:
+            members = tar.getmembers()
+            images, labels = members[0::2], members[1::2]
+            if len(images) != len(mine) or len(labels) != len(mine):
+                raise UserError(f"shard {path} holds {len(members)} members, the index {2 * len(mine)}; pack again")
+            for i, image, label in zip(mine.tolist(), images, labels, strict=True):
+                if (image.name, image.offset_data, image.size) != (f"{i:08d}.{ext[i]}", cols["offset"][i],
+                                                                   cols["length"][i]):  # fmt: skip
+                    raise UserError(f"shard {path}: member {image.name} is not where the index says; pack again")
+                if tar.extractfile(label).read() != str(int(cols["label"][i])).encode():
+                    raise UserError(f"shard {path}: the label of {image.name} differs from the index; pack again")
+                data = tar.extractfile(image).read()
+                _check_header(index, split_name, i, data, path)
+                hashes[i] = hashlib.sha256(data).digest()
+    except tarfile.TarError as exc:
+        raise UserError(f"shard {path} is not a readable tar file ({exc}); pack again") from None
+
+
+def _check_header(index: Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
+    """Sample i's width, height, format, mode and extension in the index are its image's (a crop plan uses them)."""
+    split = index.splits[split_name]
+    header = [split.header[key][i] for key in ("format", "mode", "ext")]
+    stated = (int(split.columns["width"][i]), int(split.columns["height"][i]), *header)
+    try:
+        with opened(data) as image:
+            found = (*image.size, image.format or "", image.mode, extension(image.format or ""))
+    except PIL_ERRORS as exc:
+        raise UserError(
+            f"shard {shard}: sample {i} of split {split_name} is no readable image ({exc}); pack again"
+        ) from None
+    if found != stated:
+        said, is_ = ("{}x{} {} {} (.{})".format(*values) for values in (stated, found))
+        raise UserError(
+            f"index {index.path} says sample {i} of split {split_name} is {said}, but its image in {shard} is {is_}; "
+            f"pack again"
+        )
+
+
+def run_pack(config: str | None, overrides: list[str], out: str | None, verify: str | None, shard_mb: float,
+             workers: int) -> str:  # fmt: skip
+    """What `multicard pack` does; its one-line summary."""
+    from multicard.base.config import check_local_path, load_config
+    from multicard.data import read_splits
+    from multicard.run.preflight import check_output_folder
+
+    check_local_path(out or verify, "--out" if out else "--verify")
+    if verify:
+        return verify_pack(Path(verify))
+    if not out:
+        raise UserError("multicard pack needs --out DIR (the folder to pack into), or --verify DIR")
+    if not shard_mb > 0:
+        raise UserError(f"--shard-mb {shard_mb} must be > 0 (the size of one shard in MiB, e.g. 256)")
+    if workers < 0:
+        raise UserError(f"--workers {workers} must be >= 0 (0: every core)")
+    cfg = load_config(config, overrides)
+    if cfg.data.name == "shards":
+        raise UserError("data.name=shards is packed already; name the dataset to pack (e.g. data.name=imagefolder)")
+    check_apart(Path(out), cfg.data)
+    check_output_folder(out, "--out")  # a file in its path, or a folder that cannot be written
+    check_out(Path(out))  # before reading the dataset
+    return pack(cfg.data, read_splits(cfg.data, cfg.seed), PackOptions(Path(out), shard_mb, workers))
+
+
+def check_apart(out: Path, d: DataConfig) -> None:
+    """The pack's folder and the dataset's apart: a pack inside the source becomes part of it (a class
+    folder of shards), and a source inside the pack's folder would be cleared by a pack starting over."""
+    roots = {"data.root": d.root if d.name in READS_ROOT else None, "data.val_root": d.val_root}
+    where = out.resolve()
+    for key, root in roots.items():
+        source = Path(root).resolve() if root else None
+        if source is not None and (where == source or source in where.parents):
+            raise UserError(
+                f"--out {out} lies inside {key}={root}, the dataset being packed, and would become part of it; "
+                f"choose a folder outside it"
+            )
+        if source is not None and where in source.parents:
+            raise UserError(
+                f"{key}={root} lies inside --out {out}, where the pack is written; choose a folder outside the dataset"
+            )

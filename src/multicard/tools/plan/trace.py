@@ -1,0 +1,282 @@
+"""One training step of the configured run, traced on fake tensors.
+
+The step is multicard's own: the model from `build_model`, placed by the single-device
+`Strategy.prepare` (dtype, channels_last, autocast), then the optimizer, schedule and Trainer
+as every run assembles them (session.assemble_trainer), and `Trainer.fit` itself, fed by a
+loader that hands out fake batches. Nothing is allocated and no GPU is needed; every op is
+recorded (ops.OpRecorder).
+
+Besides the op series, the trace keeps what the strategy rules need: parameter, buffer,
+gradient and optimizer-state bytes (per parameter too: ZeRO-1 splits by parameter), the
+FSDP units (their bytes and the ops during which each unit's forward and backward run), and
+the optimizer's temporaries when it runs unfused on shards (FSDP has a fused kernel for AdamW only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from multicard.base.config import Config
+from multicard.base.errors import UserError
+from multicard.run.session import assemble_trainer, training_schedule
+from multicard.runtime.process_group import ProcessContext
+from multicard.strategy.base import ModelSetup, Strategy
+from multicard.strategy.fsdp_units import choose_units
+from multicard.strategy.models import build_model, check_input_size
+from multicard.strategy.optim import fused_on_shards
+from multicard.strategy.precision import Precision
+from multicard.tools.plan.fake import FakeWorld
+from multicard.tools.plan.ops import OpRecorder, OpSeries
+
+NEVER = 10**9  # steps per epoch and log interval of the traced run: it neither logs nor ends an epoch
+
+
+class TracePrecision(Precision):
+    """The run's precision, with fp16's loss scaler off: the scaler reads values back from the
+    device (inf checks), which fake tensors cannot answer; its memory is a few scalars."""
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(self.device_type, enabled=False)
+
+
+class FakeBatches:
+    """A training loader of fake micro-batches: float images as the loaders hand them over."""
+
+    def __init__(self, batch: int, image_size: int, num_classes: int) -> None:
+        self.shape = (batch, 3, image_size, image_size)
+        self.num_classes = num_classes
+
+    @property
+    def num_samples(self) -> int:
+        return NEVER
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return NEVER
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield torch.empty(self.shape), torch.zeros(self.shape[0], dtype=torch.long)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Unit:
+    """An FSDP unit (or the root, last): the ops during which its parameters must be whole."""
+
+    name: str
+    param_bytes: int
+    params: int  # number of elements
+    fwd: tuple[int, int] = (-1, -1)  # first and last op index of its forward
+    bwd: tuple[int, int] = (-1, -1)  # op index when its backward starts, and when its last gradient arrives
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    numel: int
+    nbytes: int
+    group: int  # optimizer parameter group
+    state_bytes: int = 0  # optimizer state after the first step
+    unit: int = -1
+
+
+@dataclass
+class StepTrace:
+    batch: int
+    ops: OpSeries
+    param_bytes: int
+    buffer_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    input_bytes: int  # one micro-batch as the loader hands it over (images + labels)
+    largest_activation: int
+    has_conv: bool
+    params: list[ParamInfo]
+    units: list[Unit]
+    # "foreach" / "loop": temporaries of the optimizer step on shards when it runs unfused there (0 when fused)
+    optimizer_temps: dict[str, int] = field(default_factory=dict)
+
+
+def _trace_precision(cfg: Config) -> TracePrecision:
+    return TracePrecision(cfg.precision, "cpu")
+
+
+class UnitWatch:
+    """Module and gradient hooks that note the op index at which each FSDP unit's forward and
+    backward start and end."""
+
+    def __init__(self, recorder: OpRecorder, bare: nn.Module, units: list[nn.Module], names: dict[int, str]) -> None:
+        self.recorder = recorder
+        self.units: list[Unit] = []
+        self._pending: dict[int, int] = {}  # unit index -> gradients still to come
+        self.owner: dict[int, int] = {}  # id(param) -> unit index
+        for module in [*units, bare]:  # innermost first, the root last: a parameter belongs to its innermost unit
+            index = len(self.units)
+            own = [p for p in module.parameters() if id(p) not in self.owner]
+            for p in own:
+                self.owner[id(p)] = index
+            self.units.append(
+                Unit(names[id(module)] or "(root)", sum(p.numel() * p.element_size() for p in own),
+                     sum(p.numel() for p in own))
+            )  # fmt: skip
+            module.register_forward_pre_hook(self._forward_start(index))
+            module.register_forward_hook(self._forward_end(index))
+            self._pending[index] = len(own)
+
+    def _forward_start(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            unit = self.units[index]
+            unit.fwd = (self.recorder.ops, unit.fwd[1])
+
+        return hook
+
+    def _forward_end(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            unit = self.units[index]
+            unit.fwd = (unit.fwd[0], self.recorder.ops - 1)
+            tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(self._backward_start(index))
+
+        return hook
+
+    def _backward_start(self, index: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            unit = self.units[index]
+            if unit.bwd[0] < 0:
+                unit.bwd = (self.recorder.ops, unit.bwd[1])
+
+        return hook
+
+    def grad_arrived(self, param: torch.Tensor) -> None:
+        index = self.owner.get(id(param))
+        if index is None:
+            return
+        self._pending[index] -= 1
+        if self._pending[index] == 0:
+            unit = self.units[index]
+            start = unit.bwd[0] if unit.bwd[0] >= 0 else self.recorder.ops
+            unit.bwd = (start, self.recorder.ops)
+
+
+def _state_bytes(state: dict) -> int:
+    return sum(v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
+    """Trace one optimizer step of `cfg` at micro-batch `batch` on one device (no accumulation)."""
+    world = FakeWorld()
+    precision = _trace_precision(cfg)
+    strategy = Strategy(ProcessContext(0, 0, 1, 1, torch.device("cpu"), False), precision,
+                        ModelSetup(cfg.model.channels_last, None))  # fmt: skip
+    with world.building():
+        bare = build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs))
+        model = strategy.prepare(bare)  # before any forward: views of parameters would block its .to()
+        check_input_size(bare, cfg.model.name, cfg.data.image_size, num_classes)
+        schedule = training_schedule(cfg, NEVER, NEVER, grad_accum=1, log_every=NEVER)
+        fake = FakeBatches(batch, cfg.data.image_size, num_classes)
+        trainer, recipe = assemble_trainer(cfg, strategy, model, fake, None, schedule)  # type: ignore[arg-type]
+        units = choose_units(bare, cfg.fsdp, cfg.model.name)
+    optimizer = trainer.optimizer
+    names = {id(m): n for n, m in bare.named_modules()}
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    params = [ParamInfo(n, p.numel(), p.numel() * p.element_size(), group_of.get(id(p), 0))
+              for n, p in bare.named_parameters()]  # fmt: skip
+    recorder = OpRecorder(lambda: trainer.phase)
+    watch = UnitWatch(recorder, bare, units, names)
+    by_id = {id(p): info for p, info in zip(bare.parameters(), params, strict=True)}
+    for p in bare.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(_on_grad(recorder, watch))
+    with world.stepping():
+        for t in [*bare.parameters(), *bare.buffers()]:
+            recorder.track(t, persistent=True)
+        try:
+            with recorder, recorder.saving():
+                trainer.fit(until=1, validate=False)
+        except Exception as exc:  # a model whose step cannot run on fake tensors
+            raise UserError(
+                f"model.name={cfg.model.name}: multicard plan cannot trace its training step on fake tensors "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
+        for p in bare.parameters():
+            state = optimizer.state.get(p)
+            info = by_id[id(p)]
+            info.state_bytes = _state_bytes(state) if state else 0
+            info.unit = watch.owner.get(id(p), -1)
+        temps = {"loop": _unfused_temps(recipe, bare, foreach=False), "foreach": _unfused_temps(recipe, bare, True)}
+        if cfg.optim.fused and fused_on_shards(cfg.optim.name):
+            temps = {"loop": 0, "foreach": 0}  # fsdp runs the fused kernel on its shards too: no temporaries
+    ops = recorder.series()
+    params_bytes = sum(i.nbytes for i in params)
+    return StepTrace(
+        batch=batch,
+        ops=ops,
+        param_bytes=params_bytes,
+        buffer_bytes=sum(b.untyped_storage().nbytes() for b in bare.buffers()),
+        grad_bytes=sum(i.nbytes for i, p in zip(params, bare.parameters(), strict=True) if p.requires_grad),
+        optimizer_bytes=sum(i.state_bytes for i in params),
+        input_bytes=batch * 3 * cfg.data.image_size**2 * 4 + batch * 8,
+        largest_activation=recorder.largest_new,
+        has_conv=any(isinstance(m, nn.modules.conv._ConvNd) for m in bare.modules()),
+        params=params,
+        units=watch.units,
+        optimizer_temps=temps,
+    )
+
+
+def _on_grad(recorder: OpRecorder, watch: UnitWatch) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        recorder.mark_grad(param.grad)
+        watch.grad_arrived(param)
+
+    return hook
+
+
+def _unfused_temps(recipe: Any, bare: nn.Module, foreach: bool) -> int:
+    """Peak bytes the optimizer allocates beyond its state in one unfused step (foreach: the
+    multi-tensor kernels torch uses on CUDA; loop: one tensor at a time, as on CPU).
+
+    Per parameter group, one stand-in parameter: of the group's total size for foreach (its
+    temporaries are per-tensor copies, so they add up to the group's size), of its largest
+    parameter's size for the loop (which holds one parameter's temporaries at a time).
+    """
+    size = (lambda ps: sum(p.numel() for p in ps)) if foreach else (lambda ps: max(p.numel() for p in ps))
+    kernels = ("fused", "foreach", "params")  # the built optimizer wrote its choices into the recipe's groups
+    groups = []
+    for g in recipe.groups:
+        params = [p for p in g["params"] if p.requires_grad]
+        if params:
+            stand_in = torch.empty(size(params), dtype=params[0].dtype).requires_grad_()
+            stand_in.grad = torch.empty_like(stand_in)
+            groups.append({**{k: v for k, v in g.items() if k not in kernels}, "params": [stand_in]})
+    if not groups:
+        return 0
+    kwargs = {k: v for k, v in recipe.kwargs.items() if k != "fused"}
+    optimizer = recipe.cls(groups, **kwargs, foreach=foreach)
+    optimizer.step()  # the state exists from now on
+    recorder = OpRecorder(lambda: "optimizer")
+    for g in groups:
+        recorder.track(g["params"][0])
+        recorder.track(g["params"][0].grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                recorder.track(v)
+    base = recorder.live
+    with recorder:
+        optimizer.step()
+    peak = int(recorder.series().live.max()) if recorder.ops else base
+    return max(0, peak - base)
