@@ -9,7 +9,8 @@ import sys
 from conftest import clean_env
 
 # Each costs a launcher (and `multicard --help`, `plan`) a fraction of a second to a second.
-HEAVY = ("torchvision", "torch.distributed.checkpoint", "multicard.cli.commands", "multicard.strategy")
+HEAVY = ("torchvision", "torch.distributed.checkpoint", "multicard.cli.commands", "multicard.strategy.factory",
+         "multicard.strategy.ddp", "multicard.strategy.fsdp")
 
 
 def test_the_command_line_loads_no_training_stack():

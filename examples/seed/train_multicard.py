@@ -14,13 +14,12 @@ command to continue, at any world size. Its checkpoints are in runs/seed/checkpo
 
 import argparse
 
+import multicard
 import torch
 import torch.nn.functional as F
 import torchvision
 import torchvision.transforms as T
-from torch.utils.data import Subset
-
-import multicard
+from torch.utils.data import DataLoader, Subset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--data", default="../shared/data/cifar10/train", help="an ImageFolder: <class>/<image>")

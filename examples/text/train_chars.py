@@ -78,7 +78,7 @@ model, optimizer = run.setup(model, optimizer)
 train = run.loader(Windows(tokens[:cut], args.context))
 held_out = Windows(tokens[cut:], args.context)
 
-for _ in run.epochs(args.epochs):
+for epoch in run.epochs(args.epochs):
     for inputs, targets in train:
         loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
         run.backward(loss)

@@ -273,7 +273,7 @@ def _train(args: argparse.Namespace) -> int:
         # ddp or fsdp asked for without a launcher: one worker per GPU in use (one on CPU).
         options = LaunchOptions(nproc_per_node=max(1, len(resolve_gpus(parse_devices(cfg.devices)))))
     if options is None:
-        from multicard.cli.main import commands  # the training stack, loaded where it runs: not in a launcher
+        from multicard.cli import commands  # the training stack, loaded where it runs: not in a launcher
 
         commands.train(cfg, env)
         if env.launched and cfg.strategy == "fsdp":
@@ -296,7 +296,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from multicard.cli.main import commands
+    from multicard.cli import commands
 
     env = detect_env()
     options = _launch_options(args, env)
@@ -381,7 +381,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from multicard.cli.main import commands
+    from multicard.cli import commands
 
     commands.export(args.checkpoint, args.out, args.ema)
     return ExitCode.OK
