@@ -228,20 +228,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     fingerprint = sample_list_fingerprint(splits.train) if batch_split is not None else None
 
     if kind == "device":
-        cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        parts = {"val": splits.val} if batch_split is None else {"train": splits.train, "val": splits.val}
-        # Local rank 0 fills the cache of decoded files first; items have no cache: every rank decodes at once.
-        cached = any(isinstance(src, Files) for src in parts.values())
-        with ctx.local_main_first() if cached else contextlib.nullcontext():
-            arrays = {
-                role: _in_memory(src, d.image_size, cache_dir, ctx.is_local_main, role) for role, src in parts.items()
-            }
-        val = DeviceEvalLoader(
-            TensorImages(arrays["val"], ctx.device), d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish
-        )
-        train = None
-        if sampler is not None:
-            train = DeviceTrainLoader(TensorImages(arrays["train"], ctx.device), sampler, train_finish)
+        train, val = _device_loaders(d, splits, sampler, ctx, train_finish, eval_finish)
         return Data(train, val, num_classes, classes, kind, fingerprint)
 
     workers = loader_processes(d.num_workers, ctx)
@@ -263,3 +250,23 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     if sampler is not None:
         train = WorkerTrainLoader(splits.train, train_tf, sampler, train_finish, workers, seed, ctx.rank, collate)
     return Data(train, val, num_classes, classes, kind, fingerprint)
+
+
+def _device_loaders(
+    d: DataConfig, splits: Splits, sampler: ShardedBatchSampler | None, ctx: ProcessContext,
+    train_finish: DeviceTransform, eval_finish: DeviceTransform,
+) -> tuple[DeviceTrainLoader | None, DeviceEvalLoader]:  # fmt: skip
+    """The device loader's training (with a sampler) and validation loaders: decoded images in memory."""
+    cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    parts = {"val": splits.val} if sampler is None else {"train": splits.train, "val": splits.val}
+    # Local rank 0 fills the cache of decoded files first; items have no cache: every rank decodes at once.
+    cached = any(isinstance(src, Files) for src in parts.values())
+    with ctx.local_main_first() if cached else contextlib.nullcontext():
+        arrays = {role: _in_memory(src, d.image_size, cache_dir, ctx.is_local_main, role)
+                  for role, src in parts.items()}  # fmt: skip
+    val = DeviceEvalLoader(TensorImages(arrays["val"], ctx.device), d.eval_batch_size, ctx.rank, ctx.world_size,
+                           eval_finish)  # fmt: skip
+    train = None
+    if sampler is not None:
+        train = DeviceTrainLoader(TensorImages(arrays["train"], ctx.device), sampler, train_finish)
+    return train, val

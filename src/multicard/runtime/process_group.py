@@ -390,31 +390,10 @@ def setup(
     device = use_device(gpus, env, distributed, threads)
     store = None
     if distributed and not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
         select_interface(socket_ifname)
         if device.type == "cuda" and trace_dir is not None:
             record_nccl_flights(trace_dir)
-        if env.source == "slurm" and not env.is_main:
-            hint = (
-                "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls, "
-                "or raise dist_timeout_s"
-            )
-            wait_for_master(env.master_addr, env.master_port, timeout_s, hint)
-        # torchrun's agent may already host the store (TORCHELASTIC_USE_AGENT_STORE): env://
-        # joins it; srun has no agent, so rank 0 hosts one at the master address.
-        url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-        store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
-        # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted
-        # rank from reading a dead peer's address left by the previous attempt.
-        store = dist.PrefixStore(f"multicard/attempt-{env.restart}", store)
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            store=store,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+        store = join_group(env, device, timeout_s)
     return ProcessContext(
         rank=env.rank if distributed else 0,
         local_rank=env.local_rank if distributed else 0,
@@ -424,6 +403,25 @@ def setup(
         distributed=distributed,
         store=store if distributed else dist.HashStore(),
     )
+
+
+def join_group(env: ProcessEnv, device: torch.device, timeout_s: int) -> Any:
+    """Meet the other ranks at the rendezvous and start the default process group; its store."""
+    timeout = timedelta(seconds=timeout_s)
+    if env.source == "slurm" and not env.is_main:
+        hint = "start rank 0 (it hosts the store), check MASTER_ADDR/MASTER_PORT and firewalls, or raise dist_timeout_s"
+        wait_for_master(env.master_addr, env.master_port, timeout_s, hint)
+    # torchrun's agent may already host the store (TORCHELASTIC_USE_AGENT_STORE): env:// joins
+    # it; srun has no agent, so rank 0 hosts one at the master address.
+    url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
+    # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted rank
+    # from reading a dead peer's address left by the previous attempt.
+    store = dist.PrefixStore(f"multicard/attempt-{env.restart}", store)
+    cuda = device.type == "cuda"
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=device if cuda else None)  # fmt: skip
+    return store
 
 
 def record_nccl_flights(trace_dir: Path) -> None:

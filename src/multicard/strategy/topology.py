@@ -84,16 +84,8 @@ def resolve(cfg: Config, world_size: int, local_world_size: int, launched: bool,
     return Topology(strategy, gpus, world_size, local_world_size)
 
 
-def check_options(cfg: Config, strategy: str, gpus: list[int], world_size: int, local_world_size: int,
-                  training: bool) -> None:  # fmt: skip
-    """The config's options go together with the strategy, the GPUs in use and the process count."""
-    check_decode(cfg.data.decode, cuda=bool(gpus))
-    if training:
-        check_pairs(cfg.mix, BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world_size))
-    if strategy == "fsdp":
-        check_fsdp(cfg, world_size, local_world_size)
-    if strategy == "ddp" and training:  # eval runs a checkpoint's config, fsdp's included, under ddp
-        check_ddp(cfg)
+def check_checkpoint_format(cfg: Config, strategy: str) -> None:
+    """checkpoint.format goes with async saving and ZeRO-1 (the strategy decides `auto`)."""
     sharded = cfg.checkpoint.format == "sharded" or (cfg.checkpoint.format == "auto" and strategy == "fsdp")
     if cfg.checkpoint.async_save and not sharded:
         raise UserError(
@@ -105,6 +97,19 @@ def check_options(cfg: Config, strategy: str, gpus: list[int], world_size: int, 
             "ddp.shard_optimizer=true gathers the whole optimizer state on rank 0 for a checkpoint file; "
             "use checkpoint.format=file (or auto), or strategy=fsdp for sharded checkpoints"
         )
+
+
+def check_options(cfg: Config, strategy: str, gpus: list[int], world_size: int, local_world_size: int,
+                  training: bool) -> None:  # fmt: skip
+    """The config's options go together with the strategy, the GPUs in use and the process count."""
+    check_decode(cfg.data.decode, cuda=bool(gpus))
+    if training:
+        check_pairs(cfg.mix, BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world_size))
+    if strategy == "fsdp":
+        check_fsdp(cfg, world_size, local_world_size)
+    if strategy == "ddp" and training:  # eval runs a checkpoint's config, fsdp's included, under ddp
+        check_ddp(cfg)
+    check_checkpoint_format(cfg, strategy)
     if cfg.ddp.shard_optimizer and strategy != "ddp":
         raise UserError(
             f"ddp.shard_optimizer=true (ZeRO-1) shards optimizer state over DDP ranks but strategy={strategy}; "

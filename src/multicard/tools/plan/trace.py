@@ -196,34 +196,23 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     recorder = OpRecorder(lambda: trainer.phase)
     watch = UnitWatch(recorder, bare, units, names)
     by_id = {id(p): info for p, info in zip(bare.parameters(), params, strict=True)}
-    for p in bare.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(_on_grad(recorder, watch))
+    for p in (p for p in bare.parameters() if p.requires_grad):
+        p.register_post_accumulate_grad_hook(_on_grad(recorder, watch))
     with world.stepping():
         for t in [*bare.parameters(), *bare.buffers()]:
             recorder.track(t, persistent=True)
-        try:
-            with recorder, recorder.saving():
-                trainer.fit(until=1, validate=False)
-        except Exception as exc:  # a model whose step cannot run on fake tensors
-            raise UserError(
-                f"model.name={cfg.model.name}: multicard plan cannot trace its training step on fake tensors "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-            ) from None
+        _run_one_step(trainer, recorder, cfg.model.name)
         for p in bare.parameters():
             state = optimizer.state.get(p)
             info = by_id[id(p)]
-            info.state_bytes = _state_bytes(state) if state else 0
-            info.unit = watch.owner.get(id(p), -1)
+            info.state_bytes, info.unit = _state_bytes(state) if state else 0, watch.owner.get(id(p), -1)
         temps = {"loop": _unfused_temps(recipe, bare, foreach=False), "foreach": _unfused_temps(recipe, bare, True)}
         if cfg.optim.fused and fused_on_shards(cfg.optim.name):
             temps = {"loop": 0, "foreach": 0}  # fsdp runs the fused kernel on its shards too: no temporaries
-    ops = recorder.series()
-    params_bytes = sum(i.nbytes for i in params)
     return StepTrace(
         batch=batch,
-        ops=ops,
-        param_bytes=params_bytes,
+        ops=recorder.series(),
+        param_bytes=sum(i.nbytes for i in params),
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in bare.buffers()),
         grad_bytes=sum(i.nbytes for i, p in zip(params, bare.parameters(), strict=True) if p.requires_grad),
         optimizer_bytes=sum(i.state_bytes for i in params),
@@ -234,6 +223,18 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
         units=watch.units,
         optimizer_temps=temps,
     )
+
+
+def _run_one_step(trainer: Any, recorder: OpRecorder, model_name: str) -> None:
+    """The traced step, with every op recorded; a model whose step cannot run on fake tensors is one line."""
+    try:
+        with recorder, recorder.saving():
+            trainer.fit(until=1, validate=False)
+    except Exception as exc:  # noqa: BLE001 -- any failure of the user's model on fake tensors
+        raise UserError(
+            f"model.name={model_name}: multicard plan cannot trace its training step on fake tensors "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
 
 
 def _on_grad(recorder: OpRecorder, watch: UnitWatch) -> Any:
