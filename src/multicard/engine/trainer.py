@@ -88,6 +88,18 @@ def evaluate(
     return EvalResult(loss=loss_sum / n, top1=100 * c1 / n, top5=100 * c5 / n, samples=int(n))
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(label_smoothing: float) -> LossFn:
+    """The classifier's default loss."""
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, label_smoothing=label_smoothing)
+
+    return loss
+
+
 class _MeterState:
     """The meter's epoch sums, saved inside the checkpoint's position (a resumed epoch reports the
     whole epoch); reduced first, so the sums saved include every step done."""
@@ -132,8 +144,12 @@ class Trainer:
         stop: GracefulStop | None = None,
         mix: StepMix | None = None,
         ema: WeightAverage | None = None,
+        loss: LossFn | None = None,
     ) -> None:
+        """`loss(logits, target)` → the micro-batch's mean loss (default: cross-entropy with the
+        schedule's label smoothing); target is class indices, or class weights under mixing."""
         self.strategy = strategy
+        self.loss = loss or cross_entropy(schedule.label_smoothing)
         self.loop = Loop(strategy, schedule, stop)
         self.loop.attach(model, optimizer, scheduler)
         self.train_loader = train_loader
@@ -242,7 +258,7 @@ class Trainer:
             with loop.micro_step(micro):
                 clock.enter(FORWARD)
                 logits = logits_for_loss(self.model(x))
-                loss = F.cross_entropy(logits, target, label_smoothing=self.schedule.label_smoothing)
+                loss = self.loss(logits, target)
                 loop.backpropagate(loss)
             self.meter.add(loss, logits, target)  # under mixing: scored against the mixed targets
         loop.optimizer_step()
