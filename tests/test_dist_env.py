@@ -220,3 +220,14 @@ def test_an_allocator_the_user_chose_is_left_alone():
     assert not keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"})
     assert not keep_freed_memory({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"})
     assert not keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"})
+
+
+def test_gloo_timeouts_are_stalls_whatever_their_wording():
+    from multicard.base.errors import ExitCode
+    from multicard.runtime.process_group import communication_failure
+
+    assert communication_failure(RuntimeError("Application timeout caused pair closure")) == ExitCode.STALLED
+    assert communication_failure(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")) == (
+        ExitCode.PEER_LOST
+    )
+    assert communication_failure(RuntimeError("CUDA out of memory")) is None

@@ -26,7 +26,8 @@ MiB = 2**20
 def test_37_27_a_block_freed_unseen_after_a_collective_counts_until_its_last_use(tmp_path):
     """A tensor handed to a collective and dropped in a thread the profiler does not follow (as
     gloo's worker drops a work's tensors) stops counting after its last use; one handed to a
-    collective and still held counts until its recorded free."""
+    collective and still held counts while it is used. (`kept` is used after `later` is made:
+    gloo's thread may still hold it when it is deleted, and then frees it unseen.)"""
     tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
@@ -37,6 +38,7 @@ def test_37_27_a_block_freed_unseen_after_a_collective_counts_until_its_last_use
                 elsewhere = threading.Thread(target=dropped.clear)
                 elsewhere.start(), elsewhere.join()
                 later = torch.ones(2 * MiB)  # 8 MiB
+                kept.add_(1)
                 del kept, later
     finally:
         tdist.destroy_process_group()

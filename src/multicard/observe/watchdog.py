@@ -38,7 +38,7 @@ from multicard.engine import phases
 BEAT_S = 1.0  # seconds between heartbeats
 SILENT_S = 5.0  # a rank whose heartbeat has not changed for this long is silent
 AUTO_MIN_S, AUTO_STEPS = 120.0, 20  # auto: the larger of 120 s and 20 median steps
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # multicard: frames of its code name the stall
 
 # How the report names what a rank is doing, by phase.
 DOING = {

@@ -286,7 +286,9 @@ def communication_failure(exc: BaseException) -> ExitCode | None:
     """STALLED for a collective that timed out, PEER_LOST for a connection another rank dropped
     (it failed, was killed or its node went away); None if `exc` is not a communication failure."""
     text = str(exc)
-    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and ("gloo" in text or "NCCL" in text))):
+    # gloo's timeouts also surface as "Application timeout caused pair closure", naming no backend.
+    gloo = any(word in text for word in ("gloo", "NCCL", "pair closure"))
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and gloo)):
         return None
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
         return ExitCode.STALLED
