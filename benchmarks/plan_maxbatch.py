@@ -24,7 +24,7 @@ from multicard.base.config import load_config
 from multicard.tools.plan import cgroup_cap
 from multicard.tools.plan.calibration import Calibration, calibration_path
 from multicard.tools.plan.planner import make_plan
-from multicard.tools.plan.report import as_dict
+from multicard.tools.plan.outputs import as_dict
 from multicard.tools.plan.target import make_target
 
 # The same data for the plan and the runs (the embedded images are held in memory); one step each.

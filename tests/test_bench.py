@@ -11,7 +11,7 @@ from conftest import cli
 from multicard.base.errors import UserError
 from multicard.engine.phases import summary_ms
 from multicard.tools.bench.cells import DEFAULT_VARIANT, Cell, Variant, choose_cells, parse_variant
-from multicard.tools.bench.report import heartbeat_lines
+from multicard.tools.bench.outputs import heartbeat_lines
 from multicard.tools.bench.runner import make_rows
 
 REQUIRED = {"runner", "strategy", "world_size", "precision", "img_per_s", "step_ms_median", "peak_mem_mb"}

@@ -8,14 +8,9 @@ from conftest import TINY, cli
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.base.malloc import keep_freed_memory
-from multicard.runtime import process_group
-from multicard.runtime.process_group import (
-    NodeTopology,
-    detect_env,
-    expand_hostlist,
-    select_interface,
-    tasks_on_node,
-)
+from multicard.runtime import environment, process_group
+from multicard.runtime.environment import NodeTopology, detect_env, expand_hostlist, tasks_on_node
+from multicard.runtime.process_group import select_interface
 from multicard.strategy import topology
 
 
@@ -54,7 +49,7 @@ def test_srun_variables_with_compressed_node_list():
     )
     assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 6, 8, 2, 4)
     assert env.node_rank == 1 and env.master_addr == "gpu07"
-    assert env.master_port == process_group.SLURM_DEFAULT_PORT_BASE + 4242
+    assert env.master_port == environment.SLURM_DEFAULT_PORT_BASE + 4242
 
 
 def test_sbatch_script_without_srun_is_one_plain_process():
@@ -166,7 +161,7 @@ def test_single_strategy_refuses_several_processes():
 def test_cloud_launchers_describe_the_node_in_their_variables():
     """A Kubeflow TrainJob (PET_*: torchrun's own variables) or a SkyPilot task (SKYPILOT_*) runs one
     `multicard train` per node: multicard's launcher takes the topology from them (issue 35)."""
-    from multicard.runtime.process_group import node_topology
+    from multicard.runtime.environment import node_topology
 
     kubeflow = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
                 "PET_MASTER_ADDR": "trainjob-node-0-0", "PET_MASTER_PORT": "29400"}  # fmt: skip
@@ -224,7 +219,7 @@ def test_an_allocator_the_user_chose_is_left_alone():
 
 def test_gloo_timeouts_are_stalls_whatever_their_wording():
     from multicard.base.errors import ExitCode
-    from multicard.runtime.process_group import communication_failure
+    from multicard.runtime.exits import communication_failure
 
     assert communication_failure(RuntimeError("Application timeout caused pair closure")) == ExitCode.STALLED
     assert communication_failure(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")) == (

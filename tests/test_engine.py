@@ -11,7 +11,7 @@ from multicard.base.config import load_config
 from multicard.checkpoint import Checkpointer
 from multicard.engine.trainer import Trainer
 from multicard.run.session import open_session
-from multicard.runtime.process_group import ProcessEnv
+from multicard.runtime.environment import ProcessEnv
 
 
 class Tally:

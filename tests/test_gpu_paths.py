@@ -13,7 +13,8 @@ from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.run.session import start_process
 from multicard.runtime import process_group
-from multicard.runtime.process_group import ProcessContext, ProcessEnv
+from multicard.runtime.environment import ProcessEnv
+from multicard.runtime.process_group import ProcessContext
 from multicard.strategy import topology
 from multicard.strategy.base import ModelSetup, Strategy
 from multicard.strategy.data_parallel import DataParallelStrategy

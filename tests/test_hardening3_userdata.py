@@ -29,7 +29,9 @@ from multicard.data.user import read_item
 from multicard.observe.telemetry import DataBound, Reporter, TrainingLog
 from multicard.observe.tracking import TRACKERS, MlflowRun
 from multicard.run.session import open_session
-from multicard.runtime.process_group import EXIT_GRACE_S, ProcessContext, ProcessEnv
+from multicard.runtime.environment import ProcessEnv
+from multicard.runtime.exits import EXIT_GRACE_S
+from multicard.runtime.process_group import ProcessContext
 from test_hardening_resume import one_line
 
 # Two steps of 16 on 32 pictures of 8 px, 16 to validate.

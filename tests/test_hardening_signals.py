@@ -28,7 +28,7 @@ from conftest import (
 )
 from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in, load_file
-from multicard.runtime.process_group import LAUNCHER_PID
+from multicard.runtime.environment import LAUNCHER_PID
 from multicard.runtime.stopping import BeforeTraining, GracefulStop, StoppedBeforeTraining
 
 pytestmark = pytest.mark.distributed

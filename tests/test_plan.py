@@ -23,7 +23,8 @@ from multicard.base.errors import UserError
 from multicard.cli.main import main as cli_main
 from multicard.data.sampling import BatchSplit
 from multicard.run.session import open_session
-from multicard.runtime.process_group import ProcessEnv, cpu_cores
+from multicard.runtime.environment import ProcessEnv
+from multicard.runtime.process_group import cpu_cores
 from multicard.strategy.models import build_model
 from multicard.tools.plan import cgroup_cap
 from multicard.tools.plan.calibration import Calibration

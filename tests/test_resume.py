@@ -27,7 +27,7 @@ from multicard.base.config import load_config
 from multicard.checkpoint import Checkpointer, checkpoints_in, load_file
 from multicard.cli.main import main
 from multicard.run.session import open_session
-from multicard.runtime.process_group import ProcessEnv
+from multicard.runtime.environment import ProcessEnv
 
 pytestmark = pytest.mark.distributed
 

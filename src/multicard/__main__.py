@@ -4,7 +4,8 @@ import sys
 
 from multicard.base.errors import ExitCode
 from multicard.cli.main import main
-from multicard.runtime.process_group import LAUNCHER_PID, end_in_time
+from multicard.runtime.environment import LAUNCHER_PID
+from multicard.runtime.exits import end_in_time
 
 if __name__ == "__main__":
     try:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from multicard.base.config import Config
 from multicard.engine.phases import StepClock, summary_ms
-from multicard.runtime.process_group import detect_env
+from multicard.runtime.environment import detect_env
 from multicard_yardsticks.plain import device_batches, device_for, model_for, optimizer_for, set_threads
 
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "fp64": "64-true"}

@@ -18,7 +18,8 @@ from multicard.engine.trainer import EvalResult, evaluate
 from multicard.observe.telemetry import Reporter
 from multicard.run.preflight import check_run, prepare_out_dir
 from multicard.run.session import announce_start, open_session, run_logs, seeded_model, start_line, start_process
-from multicard.runtime.process_group import ProcessEnv, teardown
+from multicard.runtime.environment import ProcessEnv
+from multicard.runtime.process_group import teardown
 from multicard.runtime.run_lock import RunLock
 from multicard.strategy.topology import Topology, resolve
 

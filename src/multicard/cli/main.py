@@ -22,16 +22,10 @@ from multicard.base.config import check_local_path, load_config, parse_devices
 from multicard.base.errors import ExitCode, MulticardError, UserError
 from multicard.base.version import __version__
 from multicard.run.preflight import check_output_folder, check_run, prepare_out_dir
-from multicard.runtime.exits import report_error
+from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
+from multicard.runtime.exits import die_with_launcher, end_process, report_error
 from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers
-from multicard.runtime.process_group import (
-    ProcessEnv,
-    detect_env,
-    die_with_launcher,
-    end_process,
-    node_topology,
-    resolve_gpus,
-)
+from multicard.runtime.process_group import resolve_gpus
 from multicard.runtime.run_lock import RunLock
 from multicard.runtime.stopping import BeforeTraining
 from multicard.strategy.topology import resolve

@@ -8,21 +8,19 @@ they are events recorded on the current stream, read only when someone asks for 
 `communication` is the exposed part of gradient reduction: from the moment the last gradient
 of the step is computed until backward returns (DDP waits there for its last all-reduce).
 
-Wall-clock timing of whole steps lives here too (`StepClock`, `raw_allreduce_ms`), below every
-tool that measures (bench, plan, the yardsticks): each timing waits for the device first (CUDA
-kernels are asynchronous), so a time is what the work cost, not when it was queued.
+Wall-clock timing of whole steps lives here too (`StepClock`), below every tool that measures
+(bench, plan, the yardsticks): each timing waits for the device first (CUDA kernels are
+asynchronous), so a time is what the work cost, not when it was queued.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER = "data", "forward", "backward", "communication", "optimizer"
 PHASES = (DATA, FORWARD, BACKWARD, COMMUNICATION, OPTIMIZER)
@@ -133,21 +131,3 @@ def summary_ms(times: list[float]) -> dict[str, float]:
         return {"median": ms[0], "p10": ms[0], "p90": ms[0]}
     deciles = statistics.quantiles(ms, n=10, method="inclusive")
     return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1]}
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
-RAW_REPEATS = 8  # timed all-reduces of a raw tensor the size of the gradients
-
-
-def raw_allreduce_ms(nbytes: int, device: torch.device, repeats: int = RAW_REPEATS) -> float:
-    """Median time of torch.distributed.all_reduce on one fp32 tensor of `nbytes`."""
-    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dist.all_reduce(tensor)  # warm-up: connections, buffers
-    return statistics.median(_timed(lambda: dist.all_reduce(tensor), device) for _ in range(repeats)) * 1000

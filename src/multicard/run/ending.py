@@ -11,8 +11,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from multicard.base.errors import MulticardError
-from multicard.runtime.exits import report_error
-from multicard.runtime.process_group import communication_failure
+from multicard.runtime.exits import communication_failure, report_error
 
 _cleanups: list[Callable[[BaseException], None]] = []  # what to release before such an end (a run's lock and files)
 

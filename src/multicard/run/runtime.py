@@ -22,7 +22,9 @@ from multicard.observe.telemetry import Reporter
 from multicard.run.ending import on_error
 from multicard.run.preflight import check_extras, prepare_out_dir
 from multicard.run.session import seed_process, start_process, watch_for_stalls
-from multicard.runtime.process_group import detect_env, die_with_launcher, teardown
+from multicard.runtime.environment import detect_env
+from multicard.runtime.exits import die_with_launcher
+from multicard.runtime.process_group import teardown
 from multicard.runtime.run_lock import RunLock
 from multicard.runtime.stopping import GracefulStop
 from multicard.strategy.topology import resolve

@@ -33,7 +33,8 @@ from multicard.engine.trainer import Schedule, Trainer
 from multicard.observe.telemetry import Reporter, TensorBoardLog, TrainingLog
 from multicard.observe.tracking import TrackerLog
 from multicard.observe.watchdog import Watchdog
-from multicard.runtime.process_group import ProcessContext, ProcessEnv, detect_env, setup, teardown
+from multicard.runtime.environment import ProcessEnv, detect_env
+from multicard.runtime.process_group import ProcessContext, setup, teardown
 from multicard.runtime.stopping import GracefulStop
 from multicard.strategy.base import ModelSetup, Strategy
 from multicard.strategy.compilation import set_cudnn_benchmark

@@ -8,12 +8,19 @@ happened; anything else is a bug and keeps its traceback (exit 1).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
+import signal
 import sys
+import threading
 import time
+from typing import NoReturn
+
+import torch.distributed as dist
 
 from multicard.base.errors import ExitCode, MulticardError, Stopped
-from multicard.runtime.process_group import communication_failure, detect_env, end_process
+from multicard.runtime.environment import ProcessEnv, detect_env
 
 EVERY_RANK_WAIT_S = 20.0  # how long a rank leaves rank 0 to say an error every rank met (see report_error)
 
@@ -77,3 +84,80 @@ def communication_failed(code: ExitCode) -> None:
             f"stopped (its own message, or the launcher's, says which)"
         )
     end_process(code)
+
+
+# ---------------------------------------------------------------- how a process ends
+
+
+PR_SET_PDEATHSIG = 1  # prctl option: a signal for this process when its parent dies
+EXIT_GRACE_S = 2.0  # how long threads still running when a command is done may delay its process's end
+
+
+def end_process(code: int) -> NoReturn:
+    """End this process now, its output flushed, without the interpreter's shutdown: for a rank
+    that failed (its peers must not see its connections close before the launcher hears of it),
+    and for one whose work is done and written under fsdp, where torch's native teardown
+    sometimes aborts at exit (SIGABRT, "terminate called without an active exception": a C++
+    thread still joinable) — in about 1 of 5 `plan --measure` runs and once in a CI run of the
+    tests — and the launcher then reports a failed rank for a job that succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def end_in_time(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Make sure the process ends with `code` once the command is done. The interpreter's exit
+    waits for every non-daemon thread, and one that never ends (started by a dataset function,
+    say) would keep the process, and a launcher waiting for it, alive forever: such threads get
+    `grace_s` to end, then the process ends without them, naming them. Call it just before the
+    interpreter's exit, which runs as usual meanwhile (exit handlers, threads that do end)."""
+    lingering = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    if not lingering:
+        return
+
+    def watch() -> None:
+        deadline = time.monotonic() + grace_s
+        for thread in lingering:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [repr(t.name) for t in lingering if t.is_alive()]
+        if alive:
+            line = (
+                f"multicard: warning: thread(s) {', '.join(alive)} still running {grace_s:g} s after the command "
+                f"ended (started by the dataset's or model's code, not multicard's); ending the process without them"
+            )
+            os.write(2, f"{line}\n".encode())
+            end_process(code)
+
+    threading.Thread(target=watch, name="multicard-exit", daemon=True).start()
+
+
+def die_with_launcher(env: ProcessEnv) -> None:
+    """A worker of multicard's launcher gets SIGTERM when the launcher dies, however it dies
+    (SIGKILL by the out-of-memory killer or a scheduler): it then stops like on any SIGTERM,
+    with a checkpoint if training, at once if still starting."""
+    if env.launcher_pid is not None:
+        die_with_parent(env.launcher_pid)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """This process gets SIGTERM when its parent (`parent_pid`) dies, however it dies. Linux only;
+    elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def communication_failure(exc: BaseException) -> ExitCode | None:
+    """STALLED for a collective that timed out, PEER_LOST for a connection another rank dropped
+    (it failed, was killed or its node went away); None if `exc` is not a communication failure."""
+    text = str(exc)
+    # gloo's timeouts also surface as "Application timeout caused pair closure", naming no backend.
+    gloo = any(word in text for word in ("gloo", "NCCL", "pair closure"))
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and gloo)):
+        return None
+    if re.search(r"timed out|timeout", text, re.IGNORECASE):
+        return ExitCode.STALLED
+    return ExitCode.PEER_LOST

@@ -29,7 +29,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from multicard.base.config import CheckpointConfig
 from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
 from multicard.base.host_memory import available_memory
-from multicard.runtime.process_group import LAUNCHER_PID, cpu_cores, wait_for_master
+from multicard.runtime.environment import LAUNCHER_PID
+from multicard.runtime.process_group import cpu_cores, wait_for_master
 from multicard.runtime.stopping import STOP_SIGNALS, hand_over, quit_line
 
 # The launcher passes these on to the workers (StopRelay): they checkpoint and exit 128 + signal,

@@ -56,7 +56,8 @@ from multicard.data.shards import (
 )
 from multicard.data.sources import Files, Items, Source, Splits
 from multicard.data.user import read_item
-from multicard.runtime.process_group import cpu_cores, die_with_parent
+from multicard.runtime.exits import die_with_parent
+from multicard.runtime.process_group import cpu_cores
 
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
 EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}

@@ -1,16 +1,20 @@
 """What one bench cell reads off its run besides step times (those: phases.StepClock): the bytes
-each rank holds, and when DDP's gradient all-reduces run within a step."""
+each rank holds, when DDP's gradient all-reduces run within a step, and what a bare all-reduce of
+the gradients' size takes (bench and plan compare communication with it)."""
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from multicard.engine.phases import sync
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -61,3 +65,21 @@ class CommTimer:
             self.spans.append(max(self.ends) - min(self.starts))
         self.starts.clear()
         self.ends.clear()
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+RAW_REPEATS = 8  # timed all-reduces of a raw tensor the size of the gradients
+
+
+def raw_allreduce_ms(nbytes: int, device: torch.device, repeats: int = RAW_REPEATS) -> float:
+    """Median time of torch.distributed.all_reduce on one fp32 tensor of `nbytes`."""
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor)  # warm-up: connections, buffers
+    return statistics.median(_timed(lambda: dist.all_reduce(tensor), device) for _ in range(repeats)) * 1000

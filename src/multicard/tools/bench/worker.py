@@ -18,15 +18,23 @@ import torch
 
 from multicard.base.config import Config, config_from_dict, to_yaml
 from multicard.base.errors import MulticardError
-from multicard.engine.phases import RAW_REPEATS, raw_allreduce_ms, summary_ms
+from multicard.engine.phases import summary_ms
 from multicard.engine.step_timer import StepTimer
 from multicard.engine.trainer import Callback, StepEnd, Trainer, peak_memory_mb
 from multicard.observe.telemetry import Reporter
 from multicard.run.preflight import check_extras
 from multicard.run.session import Session, open_session, run_logs
-from multicard.runtime.process_group import detect_env, die_with_launcher, end_process
+from multicard.runtime.environment import detect_env
+from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.tools.bench.cells import COMM_STEPS
-from multicard.tools.bench.probes import CommTimer, gradient_bytes, held_bytes, optimizer_tensors
+from multicard.tools.bench.probes import (
+    RAW_REPEATS,
+    CommTimer,
+    gradient_bytes,
+    held_bytes,
+    optimizer_tensors,
+    raw_allreduce_ms,
+)
 
 
 class HeldState(Callback):

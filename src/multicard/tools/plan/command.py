@@ -17,8 +17,8 @@ from multicard.tools.plan.arguments import PlanOptions
 from multicard.tools.plan.calibrate import calibrate
 from multicard.tools.plan.calibration import Calibration, calibration_path
 from multicard.tools.plan.measure import measure_here
+from multicard.tools.plan.outputs import as_dict, plot, print_plan, write_json
 from multicard.tools.plan.planner import make_plan
-from multicard.tools.plan.report import as_dict, plot, print_plan, write_json
 from multicard.tools.plan.target import make_target
 
 

@@ -20,10 +20,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from multicard.base.config import Config, config_from_dict, parse_devices
-from multicard.engine.phases import raw_allreduce_ms
 from multicard.engine.step_timer import StepTimer
 from multicard.run.session import open_session
-from multicard.runtime.process_group import detect_env, die_with_launcher, end_process, resolve_gpus
+from multicard.runtime.environment import detect_env
+from multicard.runtime.exits import die_with_launcher, end_process
+from multicard.runtime.process_group import resolve_gpus
+from multicard.tools.bench.probes import raw_allreduce_ms
 from multicard.tools.plan.profiled_peak import window_peak
 
 MARKER = "multicard.tools.plan.steps"

@@ -35,7 +35,8 @@ from multicard.checkpoint import Checkpointer
 from multicard.checkpoint.sharded import TRAIN_STATE
 from multicard.engine.trainer import Callback, StepEnd, Trainer, evaluate, rng_state
 from multicard.run.session import Session, open_session, seed_process
-from multicard.runtime.process_group import detect_env, die_with_launcher, end_process
+from multicard.runtime.environment import detect_env
+from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.tools.verify.checks import RESUME_FAULTS, resume_cut
 
 COVERAGE_EPOCHS = 2

@@ -1,0 +1,164 @@
+"""Who am I among the job's processes: the one place that reads launcher variables.
+
+`detect_env` reads torchrun's and Slurm's variables (nothing else in multicard does) into a
+`ProcessEnv`; `node_topology` reads the cloud launchers' (Kubeflow's PET_*, SkyPilot's) into the
+launcher flags they stand for; Slurm's compressed host lists are expanded here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from multicard.base.errors import UserError
+
+SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id above this base
+LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """The process topology as the launcher describes it."""
+
+    source: str  # "none" (plain process), "torchrun" or "slurm"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher_pid: int | None = None  # multicard's own launcher started this worker
+    restart: int = 0  # how many times torchrun's agent has restarted the workers (--max-restarts)
+
+    @property
+    def launched(self) -> bool:
+        return self.source != "none"
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0, which says what every rank met (as ProcessContext.is_main, before there is one)."""
+        return self.rank == 0
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a Slurm node list such as 'gpu[01-03,07],login1' or 'r[1-2]-n[1-2]' into host names."""
+    hosts: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        hosts.extend(_expand_name(part))
+    return hosts
+
+
+def _expand_name(name: str) -> list[str]:
+    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", name)
+    if not match:
+        return [name]
+    prefix, ranges, rest = match.groups()
+    heads: list[str] = []
+    for item in ranges.split(","):
+        lo, _, hi = item.partition("-")
+        width = len(lo)  # zero padding is kept: node[08-10] → node08, node09, node10
+        heads.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi or lo) + 1))
+    # Several bracket groups in one name (rack[1-2]-n[1-2]) multiply, as in Slurm.
+    return [head + tail for head in heads for tail in _expand_name(rest)]
+
+
+def tasks_on_node(spec: str, node: int) -> int:
+    """Tasks on node `node` from a Slurm count list such as '4(x2),3' (= 4, 4, 3)."""
+    counts: list[int] = []
+    for item in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not match:
+            raise UserError(f"cannot read the Slurm task count list {spec!r} (expected e.g. '4(x2),3')")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    for name in names:
+        if name in environ:
+            try:
+                return int(environ[name])
+            except ValueError:
+                raise UserError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+    if default is None:
+        raise UserError(f"environment variable {names[0]} is missing")
+    return default
+
+
+def _local_tasks(environ: Mapping[str, str], node: int) -> int:
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        if environ.get(name):
+            return tasks_on_node(environ[name], node)
+    return 1
+
+
+def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
+    """Read the topology from torchrun (RANK, ...) or srun (SLURM_*); else one plain process."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return ProcessEnv(
+            source="torchrun",
+            launcher_pid=_int(environ, LAUNCHER_PID) if LAUNCHER_PID in environ else None,
+            restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+            rank=_int(environ, "RANK"),
+            local_rank=_int(environ, "LOCAL_RANK", default=0),
+            world_size=_int(environ, "WORLD_SIZE"),
+            local_world_size=_int(environ, "LOCAL_WORLD_SIZE", default=1),
+            node_rank=_int(environ, "GROUP_RANK", default=0),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(environ, "MASTER_PORT", default=29500),
+        )
+    # SLURM_STEP_NUM_TASKS is set by srun, not in a bare sbatch script, which stays one process.
+    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
+        hosts = expand_hostlist(nodelist) if nodelist else ["127.0.0.1"]
+        job_id = _int(environ, "SLURM_JOB_ID", default=0)
+        node = _int(environ, "SLURM_NODEID", default=0)
+        return ProcessEnv(
+            source="slurm",
+            rank=_int(environ, "SLURM_PROCID"),
+            local_rank=_int(environ, "SLURM_LOCALID", default=0),
+            world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
+            local_world_size=_local_tasks(environ, node),
+            node_rank=node,
+            master_addr=environ.get("MASTER_ADDR", hosts[0]),
+            master_port=_int(environ, "MASTER_PORT", default=SLURM_DEFAULT_PORT_BASE + job_id % 20000),
+        )
+    return ProcessEnv(source="none")
+
+
+@dataclass(frozen=True)
+class NodeTopology:
+    """How a cloud launcher that starts one command per node describes the job, for multicard's own
+    launcher to start this node's workers: a Kubeflow TrainJob/PyTorchJob (PET_*, the variables
+    torchrun reads for its flags) or a SkyPilot task (SKYPILOT_*)."""
+
+    source: str  # kubeflow | skypilot
+    nproc_per_node: int | None  # None: one per GPU in use (one on CPU)
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+SKYPILOT_PORT = 29400  # a SkyPilot task names its nodes' addresses, not a port: the rendezvous takes this one
+
+
+def node_topology(environ: Mapping[str, str] = os.environ) -> NodeTopology | None:
+    """The topology a cloud launcher gave this node's one command in its environment, or None."""
+    if "PET_NNODES" in environ and "PET_MASTER_ADDR" in environ:
+        per_node = environ.get("PET_NPROC_PER_NODE", "auto")
+        return NodeTopology(
+            "kubeflow", _int(environ, "PET_NPROC_PER_NODE") if per_node.isdigit() else None,
+            _int(environ, "PET_NNODES"), _int(environ, "PET_NODE_RANK", default=0), environ["PET_MASTER_ADDR"],
+            _int(environ, "PET_MASTER_PORT", default=29500),
+        )  # fmt: skip
+    if "SKYPILOT_NODE_IPS" in environ and "SKYPILOT_NODE_RANK" in environ:
+        gpus = _int(environ, "SKYPILOT_NUM_GPUS_PER_NODE", default=0)
+        return NodeTopology(
+            "skypilot", gpus or None, _int(environ, "SKYPILOT_NUM_NODES", default=1),
+            _int(environ, "SKYPILOT_NODE_RANK"), environ["SKYPILOT_NODE_IPS"].split()[0], SKYPILOT_PORT,
+        )  # fmt: skip
+    return None
