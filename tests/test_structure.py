@@ -28,7 +28,7 @@ MAX_TRAINER_LINES = 200
 ROOT = "multicard"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utilities", ("multicard.version", "multicard.errors", "multicard.atomic", "multicard.torch_compat",
-                   "multicard.host_memory", "multicard.malloc")),
+                   "multicard.host_memory", "multicard.malloc", "multicard.storage")),
     ("config", ("multicard.config",)),
     ("process", ("multicard.launch", "multicard.process_group", "multicard.stopping", "multicard.exits",
                  "multicard.user_code")),

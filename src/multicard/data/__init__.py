@@ -22,6 +22,7 @@ from multicard.data.loaders import EvalLoader, TrainLoader
 from multicard.data.policies import sample_policy
 from multicard.data.progressive import ProgressiveSize, progressive_size
 from multicard.data.ranks import check_same_across_ranks
+from multicard.data.remote_shards import remote_shard_splits
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler
 from multicard.data.shards import ShardSamples, order_of, shard_splits
 from multicard.data.sources import (
@@ -42,6 +43,7 @@ from multicard.data.workers import Transform, WorkerEvalLoader, WorkerTrainLoade
 from multicard.errors import UserError
 from multicard.host_memory import available_memory
 from multicard.process_group import ProcessContext, cpu_cores
+from multicard.storage import is_url
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
 MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory
@@ -85,7 +87,8 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
     elif ":" in d.name:
         splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
     elif d.name == "shards":
-        splits = shard_splits(Path(d.root), d.reads_in_flight)
+        splits = (remote_shard_splits(d.root, d.reads_in_flight, d.read_retries) if is_url(d.root)
+                  else shard_splits(Path(d.root), d.reads_in_flight))  # fmt: skip
     elif d.name == "hf":
         from multicard.data.hf import hf_splits  # imports the optional datasets package
 
