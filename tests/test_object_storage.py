@@ -7,6 +7,7 @@ The pack: 192 + 50 synthetic images in several shards, made here and uploaded as
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import time
@@ -90,7 +91,7 @@ def s3_env(s3_server, monkeypatch) -> dict[str, str]:
 def waits(monkeypatch) -> list[float]:
     """The backoff waits of storage's retries, recorded instead of slept."""
     recorded: list[float] = []
-    monkeypatch.setattr(storage.time, "sleep", recorded.append)
+    monkeypatch.setattr(storage, "sleep", recorded.append)
     return recorded
 
 
@@ -176,19 +177,23 @@ def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_e
         if not restarted:
             restarted.append(Server(server.port))
 
-    monkeypatch.setattr(storage.time, "sleep", wait_and_restart)
+    monkeypatch.setattr(storage, "sleep", wait_and_restart)
     try:
         assert remote.read(INDEX) == (packed / INDEX).read_bytes()
     finally:
         for again in restarted:
             again.stop()
     assert waits == [storage.FIRST_WAIT_S] and len(restarted) == 1
-    monkeypatch.setattr(storage.time, "sleep", waits.append)
+    monkeypatch.setattr(storage, "sleep", waits.append)
     waits.clear()
     with pytest.raises(UserError, match=rf"cannot read {uploaded}/train-00000.tar \(EndpointConnectionError: .* "
                                         r"after 4 attempt\(s\) over 3.5 s; check that the storage endpoint is up"):
         remote.read("train-00000.tar", 0, 512)
     assert waits == [0.5, 1.0, 2.0]
+    # What s3fs raises for SlowDown / 503 and InternalError / 500 is transient too; absence and refusal are not.
+    assert storage.transient(OSError(errno.EBUSY, "Please reduce your request rate"))
+    assert storage.transient(OSError(errno.EREMOTEIO, "We encountered an internal error"))
+    assert not storage.transient(FileNotFoundError("bucket/key")) and not storage.transient(PermissionError("denied"))
 
 
 @pytest.mark.slow

@@ -13,11 +13,12 @@ missing bucket or object or a refusal of access, one line naming the URL and wha
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import re
-import time
 from collections.abc import Callable
+from time import sleep  # by this name: a test records the waits of this module alone
 from typing import Any, TypeVar
 
 from multicard.errors import UserError
@@ -144,7 +145,7 @@ class Remote:
                 if not transient(exc) or attempt == self.retries:
                     raise storage_error(url, exc, attempt + 1, waited) from None
                 wait = min(FIRST_WAIT_S * 2**attempt, MAX_WAIT_S)
-                time.sleep(wait)
+                sleep(wait)
                 waited += wait
         raise AssertionError("unreachable")
 
@@ -170,7 +171,7 @@ def _status(exc: BaseException) -> int | None:
 def transient(exc: BaseException) -> bool:
     """Whether another attempt may succeed: a connection refused, reset or timed out, a 5xx or 429."""
     for link in _chain(exc):
-        if isinstance(link, (ConnectionError, TimeoutError)):
+        if isinstance(link, (ConnectionError, TimeoutError, asyncio.TimeoutError)):  # apart before Python 3.11
             return True
         if isinstance(link, OSError) and link.errno in TRANSIENT_ERRNOS:
             return True
