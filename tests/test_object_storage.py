@@ -186,8 +186,11 @@ def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_e
     assert waits == [storage.FIRST_WAIT_S] and len(restarted) == 1
     monkeypatch.setattr(storage, "sleep", waits.append)
     waits.clear()
-    with pytest.raises(UserError, match=rf"cannot read {uploaded}/train-00000.tar \(EndpointConnectionError: .* "
-                                        r"after 4 attempt\(s\) over 3.5 s; check that the storage endpoint is up"):
+    with pytest.raises(
+        UserError,
+        match=rf"cannot read {uploaded}/train-00000.tar \(EndpointConnectionError: .* "
+        r"after 4 attempt\(s\) over 3.5 s; check that the storage endpoint is up",
+    ):
         remote.read("train-00000.tar", 0, 512)
     assert waits == [0.5, 1.0, 2.0]
     # What s3fs raises for SlowDown / 503 and InternalError / 500 is transient too; absence and refusal are not.

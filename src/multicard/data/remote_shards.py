@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import json
 
-import torch
-
-from multicard.data.shards import INDEX, PackedSplit, ShardSamples, check_shards, check_splits, parse_index
-from multicard.data.sources import Items, Splits
+from multicard.data.shards import (
+    INDEX,
+    PackedSplit,
+    ShardSamples,
+    check_shards,
+    check_splits,
+    packed_splits,
+    parse_index,
+)
+from multicard.data.sources import Splits
 from multicard.errors import UserError
 from multicard.storage import Remote
 
@@ -55,9 +61,4 @@ def remote_shard_splits(url: str, reads_in_flight: int, retries: int) -> Splits:
     check_splits(index)
     for name in ("train", "val"):
         check_shards(index.splits[name], sizes.get)
-    parts = {
-        name: Items(RemoteShardSamples(index.splits[name], remote, reads_in_flight),
-                    torch.arange(len(index.splits[name])), len(index.classes), f"data.name=shards {what} ({name})")
-        for name in ("train", "val")
-    }  # fmt: skip
-    return Splits(parts["train"], parts["val"], index.classes)
+    return packed_splits(index, lambda split: RemoteShardSamples(split, remote, reads_in_flight), what)

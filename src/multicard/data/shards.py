@@ -317,10 +317,14 @@ def shard_splits(directory: Path, reads_in_flight: int = 1) -> Splits:
     check_splits(index)
     for name in ("train", "val"):
         check_shards(index.splits[name])
-    what = f"data.name=shards data.root={directory}"
+    return packed_splits(index, partial(ShardSamples, reads_in_flight=reads_in_flight), f"data.root={directory}")
+
+
+def packed_splits(index: Index, samples: Callable[[PackedSplit], ShardSamples], what: str) -> Splits:
+    """An index's training and validation splits as sources, each read by `samples(split)`."""
     parts = {
-        name: Items(ShardSamples(index.splits[name], reads_in_flight), torch.arange(len(index.splits[name])),
-                    len(index.classes), f"{what} ({name})")
+        name: Items(samples(index.splits[name]), torch.arange(len(index.splits[name])), len(index.classes),
+                    f"data.name=shards {what} ({name})")
         for name in ("train", "val")
     }  # fmt: skip
     return Splits(parts["train"], parts["val"], index.classes)
