@@ -277,3 +277,32 @@ def worker_pid(launcher: int, rank: int) -> int | None:
             if f"RANK={rank}".encode() not in parent_env:
                 return pid
     return None
+
+
+# ------------------------------------------------------------------ object storage
+
+S3_SECRET = "multicard-test-secret-5c1e"  # the dummy secret key: a test looks for it where it must never be
+
+
+def s3_environment(port: int) -> dict[str, str]:
+    """What points s3fs at a server on loopback: dummy credentials and the endpoint, from the environment."""
+    return {
+        "AWS_ACCESS_KEY_ID": "multicard-test-key", "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server on a free loopback port (moto's standalone server, which s3fs's own tests
+    use): the bytes cross a socket as they would in production. Yields the environment that points
+    s3fs at it (tests hand it to the runs they start; nothing of it goes into a config)."""
+    pytest.importorskip("s3fs", reason="needs s3fs: pip install -e '.[dev]'")
+    server = pytest.importorskip("moto.server", reason="needs moto[server]: pip install -e '.[dev]'")
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    running = server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # 0: a free port
+    running.start()
+    yield s3_environment(running.get_host_and_port()[1])
+    running.stop()

@@ -28,7 +28,7 @@ MAX_CLASS_LINES = 200
 # __init__ (the public API, with multicard.run) and __main__ (the command line's).
 ROOT = "multicard"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("multicard.base",)),  # configuration, errors, atomic files, version, host memory
+    ("base", ("multicard.base",)),  # configuration, errors, atomic files, storage URLs, version, host memory
     ("runtime", ("multicard.runtime",)),  # launch and each process's context
     ("data", ("multicard.data",)),
     ("strategy", ("multicard.strategy",)),  # models and how the processes share them

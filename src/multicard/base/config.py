@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from multicard.base.errors import UserError
+from multicard.base.storage import URL, check_url, is_url
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
@@ -51,8 +51,9 @@ class DataConfig:
     hf_label: str = "label"  # hf: the label column (integers; class names from its ClassLabel feature)
     hf_train_split: str = "train"  # hf: the training split
     hf_val_split: str | None = None  # hf: None = validation, else test, else a seeded data.val_fraction of train
-    root: str | None = None  # dataset directory (cifar10, imagefolder, shards)
+    root: str | None = None  # dataset directory (cifar10, imagefolder, shards); shards: or a URL (s3://bucket/prefix)
     reads_in_flight: int = 8  # shards: reads of a batch kept in flight per loader process (shared storage)
+    read_retries: int = 5  # shards at a URL: retries of a read failing transiently, 0.5 s, 1 s, 2 s, … apart
     # global: a full shuffle each epoch | local (opt-in): shuffled runs of 64 samples stored together, shuffled
     # within windows of 16 runs, so a batch reads few runs of a shard (docs/data.md; its shuffle quality is measured)
     order: str = "global"
@@ -378,9 +379,6 @@ def _expand_home(cfg: Config) -> Config:
     )
 
 
-URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://... (s3://, gs://, az://, https://, file://)
-
-
 def check_local_path(value: str | None, name: str) -> None:
     """A path multicard reads or writes is a local one (a mounted filesystem counts): a URL is one
     line, never a local folder named after its scheme (s3:/bucket/... in the working directory)."""
@@ -394,9 +392,14 @@ def check_local_path(value: str | None, name: str) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """Every path of the config is local (check_local_path)."""
+    """Every path of the config is local (check_local_path), but a pack's data.root: a URL there is read
+    through fsspec (multicard/base/storage.py)."""
     resume = cfg.train.resume if cfg.train.resume not in ("auto", "never") else None
-    for name, value in (("out_dir", cfg.out_dir), ("data.root", cfg.data.root), ("data.val_root", cfg.data.val_root),
+    root_url = cfg.data.name == "shards" and is_url(cfg.data.root)
+    if root_url:
+        check_url(cfg.data.root, "data.root")
+    root = None if root_url else cfg.data.root
+    for name, value in (("out_dir", cfg.out_dir), ("data.root", root), ("data.val_root", cfg.data.val_root),
                         ("data.cache_dir", cfg.data.cache_dir), ("model.weights", cfg.model.weights),
                         ("train.resume", resume)):  # fmt: skip
         check_local_path(value, name)
@@ -514,6 +517,7 @@ def check_data(d: DataConfig) -> None:
     if not 0 < d.val_fraction < 1:
         raise UserError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
     _positive(d.reads_in_flight, "data.reads_in_flight")
+    _positive(d.read_retries, "data.read_retries", zero_ok=True)
     _choice(d.order, "data.order", ("global", "local"))
     if d.num_workers < -1:
         raise UserError(f"data.num_workers={d.num_workers} must be -1 (auto) or >= 0")

@@ -14,6 +14,7 @@ import torch
 from multicard.base.config import DataConfig
 from multicard.base.errors import UserError
 from multicard.base.host_memory import available_memory
+from multicard.base.storage import is_url
 from multicard.data.decode import decoded, default_cache_dir, fit_square
 from multicard.data.decode_choice import check_decode, choose_decode
 from multicard.data.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
@@ -24,6 +25,7 @@ from multicard.data.loaders import EvalLoader, TrainLoader
 from multicard.data.policies import sample_policy
 from multicard.data.progressive import ProgressiveSize, progressive_size
 from multicard.data.ranks import check_same_across_ranks
+from multicard.data.remote_shards import remote_shard_splits
 from multicard.data.sampling import BatchSplit, ShardedBatchSampler
 from multicard.data.shards import ShardSamples, order_of, shard_splits
 from multicard.data.sources import (
@@ -85,7 +87,8 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
     elif ":" in d.name:
         splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
     elif d.name == "shards":
-        splits = shard_splits(Path(d.root), d.reads_in_flight)
+        splits = (remote_shard_splits(d.root, d.reads_in_flight, d.read_retries) if is_url(d.root)
+                  else shard_splits(Path(d.root), d.reads_in_flight))  # fmt: skip
     elif d.name == "hf":
         from multicard.data.hf import hf_splits  # imports the optional datasets package
 

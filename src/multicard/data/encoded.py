@@ -59,7 +59,7 @@ def unreadable(path: Path, exc: BaseException) -> UserError:
 class EncodedImage:
     """A file's bytes and header; its methods decode them into uint8 pixels."""
 
-    def __init__(self, path: Path, data: bytes, size: tuple[int, int], format: str | None, mode: str) -> None:
+    def __init__(self, path: Path | str, data: bytes, size: tuple[int, int], format: str | None, mode: str) -> None:
         self.path = path
         self.data = data
         self.size = size  # (width, height) of the full image

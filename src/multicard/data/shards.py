@@ -53,7 +53,7 @@ def padded(size: int) -> int:
 class PackedSplit:
     """One split of an index: its shard files and, per sample, where its bytes are."""
 
-    shards: list[Path]
+    shards: list[Path | str]  # files, or URLs of objects (data/remote_shards.py)
     shard_bytes: list[int]
     columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
     header: dict[str, list[str]]  # HEADER → one entry per sample
@@ -65,14 +65,14 @@ class PackedSplit:
 
 @dataclass
 class Index:
-    path: Path
+    path: Path | str
     classes: list[str]
     fingerprint: str  # of the source the pack was made from
     source: str  # what was packed, in words (the data.* settings)
     splits: dict[str, PackedSplit]
 
 
-def _bad_index(path: Path, why: str) -> UserError:
+def _bad_index(path: Path | str, why: str) -> UserError:
     return UserError(
         f"index {path} {why}; pack the data again (multicard pack; multicard pack --verify DIR checks a pack)"
     )
@@ -88,6 +88,11 @@ def read_index(directory: Path, what: str | None = None) -> Index:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise _bad_index(path, f"cannot be read ({type(exc).__name__})") from None
+    return parse_index(raw, path, lambda name: directory / name)
+
+
+def parse_index(raw: Any, path: Path | str, shard: Callable[[str], Path | str]) -> Index:
+    """An index's contents (`raw`: its JSON, read from `path`), checked; `shard`: a shard's name → its place."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise _bad_index(path, f"is not a {FORMAT} index")
     if raw.get("version") != VERSION:
@@ -97,7 +102,7 @@ def read_index(directory: Path, what: str | None = None) -> Index:
         )
     try:
         classes = [str(c) for c in raw["classes"]]
-        splits = {str(name): _packed_split(directory, part) for name, part in raw["splits"].items()}
+        splits = {str(name): _packed_split(shard, part) for name, part in raw["splits"].items()}
         index = Index(path, classes, str(raw["fingerprint"]), str(raw["source"]), splits)
     except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as exc:
         raise _bad_index(path, f"is damaged (bad entry {exc})") from None
@@ -125,8 +130,8 @@ def _no_index(directory: Path, what: str) -> UserError:
     return UserError(f"{what} has no {INDEX}; make it with multicard pack --out {directory}")
 
 
-def _packed_split(directory: Path, part: dict[str, Any]) -> PackedSplit:
-    shards = [directory / s["name"] for s in part["shards"]]
+def _packed_split(shard: Callable[[str], Path | str], part: dict[str, Any]) -> PackedSplit:
+    shards = [shard(str(s["name"])) for s in part["shards"]]
     columns = {c: np.asarray(part[c], dtype=np.int64) for c in COLUMNS}
     header = {c: [str(v) for v in part[c]] for c in HEADER}
     if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
@@ -166,13 +171,20 @@ def check_splits(index: Index) -> None:
             raise _bad_index(index.path, f"has no {name} split")
 
 
-def check_shards(split: PackedSplit) -> None:
-    """Every shard is there with the size the index gives (one stat each: cheap at start-up)."""
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def check_shards(split: PackedSplit, size_of: Callable[[Any], int | None] = _file_size) -> None:
+    """Every shard is there with the size the index gives (one stat each: cheap at start-up).
+    `size_of`: a shard's size, None where it is missing."""
     for path, expected in zip(split.shards, split.shard_bytes, strict=True):
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise UserError(f"shard {path} is missing; restore it or pack the data again (multicard pack)") from None
+        size = size_of(path)
+        if size is None:
+            raise UserError(f"shard {path} is missing; restore it or pack the data again (multicard pack)")
         if size != expected:
             raise UserError(
                 f"shard {path} has {size} bytes where the index says {expected}: it is truncated or was changed; "
@@ -203,6 +215,10 @@ class ShardSamples:
             self._pool: ThreadPoolExecutor | None = None
             self._ready: dict[int, bytes] = {}
 
+    def _open(self, shards: set[int]) -> None:
+        for shard in shards:
+            self._fd(shard)
+
     def _fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
         if fd is None:
@@ -223,8 +239,7 @@ class ShardSamples:
         runs = self._runs(indices)
         if self.reads_in_flight <= 1 and len(runs) == len(indices):
             return  # one read per sample, one at a time: as __getitem__ does
-        for shard in {int(self.shard_of[i]) for i in indices}:  # opened here: the pool's threads only read
-            self._fd(shard)
+        self._open({int(self.shard_of[i]) for i in indices})  # here: the pool's threads only read
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max(1, self.reads_in_flight), thread_name_prefix="multicard-shard-read")
         for run, data in zip(runs, self._pool.map(self._read_run, runs), strict=True):
@@ -255,7 +270,7 @@ class ShardSamples:
         shard, start = int(self.shard_of[first]), int(self.offset[first])
         length = int(self.offset[last]) + int(self.length[last]) - start
         try:
-            data = os.pread(self._fd(shard), length, start)
+            data = self._pread(shard, length, start)
         except OSError as exc:
             raise UserError(
                 f"cannot read shard {self.split.shards[shard]} ({exc.strerror or type(exc).__name__}); restore it "
@@ -267,6 +282,9 @@ class ShardSamples:
                 f"restore it or pack the data again (multicard pack)"
             )
         return data
+
+    def _pread(self, shard: int, length: int, start: int) -> bytes:
+        return os.pread(self._fd(shard), length, start)
 
     def sample_list(self, indices: np.ndarray) -> bytes:
         """What tells these samples apart, in order, whatever the pack's path or shard size
@@ -287,7 +305,7 @@ class ShardSamples:
         self._own()
         data = self._ready.get(i)
         data = data if data is not None else self.read(i)
-        where = Path(f"{self.split.shards[int(self.shard_of[i])]} (sample {i})")
+        where = f"{self.split.shards[int(self.shard_of[i])]} (sample {i})"  # a URL stays one (no Path)
         header = self.split.header
         size = (int(self.width[i]), int(self.height[i]))
         return EncodedImage(where, data, size, header["format"][i] or None, header["mode"][i]), int(self.labels[i])
@@ -299,10 +317,14 @@ def shard_splits(directory: Path, reads_in_flight: int = 1) -> Splits:
     check_splits(index)
     for name in ("train", "val"):
         check_shards(index.splits[name])
-    what = f"data.name=shards data.root={directory}"
+    return packed_splits(index, partial(ShardSamples, reads_in_flight=reads_in_flight), f"data.root={directory}")
+
+
+def packed_splits(index: Index, samples: Callable[[PackedSplit], ShardSamples], what: str) -> Splits:
+    """An index's training and validation splits as sources, each read by `samples(split)`."""
     parts = {
-        name: Items(ShardSamples(index.splits[name], reads_in_flight), torch.arange(len(index.splits[name])),
-                    len(index.classes), f"{what} ({name})")
+        name: Items(samples(index.splits[name]), torch.arange(len(index.splits[name])), len(index.classes),
+                    f"data.name=shards {what} ({name})")
         for name in ("train", "val")
     }  # fmt: skip
     return Splits(parts["train"], parts["val"], index.classes)

@@ -1,0 +1,263 @@
+"""Issue 35, first slice: packed shards read from object storage (`data.name=shards data.root=s3://…`),
+against a real S3-protocol server on loopback (conftest.s3_server, moto's): the same training as from
+local disk, and every failure of storage one line, after bounded retries where another attempt may help.
+
+The pack: 192 + 50 synthetic images in several shards, made here and uploaded as they are.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    S3_SECRET,
+    assert_bitwise_equal,
+    cli,
+    final_params,
+    load_checkpoint,
+    run_here,
+    s3_environment,
+    slowed,
+    start,
+    wait_for,
+)
+from multicard.base import storage
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.checkpoint import checkpoints_in
+from multicard.cli.main import main
+from multicard.data import read_splits
+from multicard.data.shards import INDEX
+from multicard.tools.pack import PackOptions, pack
+
+BUCKET = "packs"
+TRAIN = [
+    "model.name=smallcnn", "data.image_size=16", "data.crop_padding=2", "train.epochs=1",
+    "train.global_batch_size=32", "log_every=2", "data.loader=workers", "data.num_workers=1", "data.name=shards",
+]  # fmt: skip
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("multicard: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    d = load_config(None, ["data.train_size=192", "data.val_size=50", "data.image_size=16"]).data
+    out = tmp_path_factory.mktemp("pack") / "shards"
+    pack(d, read_splits(d, 0), PackOptions(out, shard_mb=0.03, workers=1))
+    assert len(list(out.glob("train-*.tar"))) > 2  # reads cross shard objects
+    return out
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    """The server's bucket BUCKET, as an s3fs filesystem to put objects in."""
+    import fsspec
+
+    fs = fsspec.filesystem(
+        "s3", key=s3_server["AWS_ACCESS_KEY_ID"], secret=S3_SECRET, skip_instance_cache=True,
+        client_kwargs={"endpoint_url": s3_server["AWS_ENDPOINT_URL"]},
+    )  # fmt: skip
+    fs.mkdir(BUCKET)
+    return fs
+
+
+@pytest.fixture(scope="module")
+def uploaded(bucket, packed) -> str:
+    """The pack's URL on the server, its files uploaded as they are."""
+    bucket.put(f"{packed}/", f"{BUCKET}/pack/", recursive=True)
+    return f"s3://{BUCKET}/pack"
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> dict[str, str]:
+    """This process's environment pointed at the server, for in-process reads."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The backoff waits of storage's retries, recorded instead of slept."""
+    recorded: list[float] = []
+    monkeypatch.setattr(storage, "sleep", recorded.append)
+    return recorded
+
+
+class Server:
+    """A second server on loopback, to stop and start: moto keeps its buckets per process, so it
+    serves what the session's server holds."""
+
+    def __init__(self, port: int = 0) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.running = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self.running.start()
+        self.port = self.running.get_host_and_port()[1]
+
+    def stop(self) -> None:
+        self.running.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_35_1_ddp2_workers_training_from_the_s3_server_equals_training_from_local_disk(packed, uploaded, s3_server,
+                                                                                        tmp_path):  # fmt: skip
+    ddp2 = ["--nproc-per-node", "2"]
+    run_here("train", *ddp2, *TRAIN, f"data.root={packed}", f"out_dir={tmp_path / 'local'}")
+    console = run_here("train", *ddp2, *TRAIN, f"data.root={uploaded}", f"out_dir={tmp_path / 's3'}", env=s3_server)
+    assert_bitwise_equal(final_params(tmp_path / "s3"), final_params(tmp_path / "local"))
+    config = (tmp_path / "s3" / "config.yaml").read_text()
+    assert f"root: {uploaded}" in config
+    for text in (config, (tmp_path / "s3" / "metrics.jsonl").read_text(), console):
+        assert S3_SECRET not in text and s3_server["AWS_ACCESS_KEY_ID"] not in text
+
+
+def test_35_2_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_env, waits, tmp_path, capsys):
+    assert main(["train", *TRAIN, "data.root=s3://no-such-bucket/pack", f"out_dir={tmp_path}"]) == 2
+    said = "s3://no-such-bucket/pack does not exist (FileNotFoundError: The specified bucket does not exist); check"
+    assert said in one_line(capsys.readouterr().err)
+    assert not checkpoints_in(tmp_path / "checkpoints")
+    bucket.pipe(f"{BUCKET}/broken/{INDEX}", b"{not json")
+    for root, said in ((f"s3://{BUCKET}/elsewhere", f"s3://{BUCKET}/elsewhere does not exist"),
+                       (f"s3://{BUCKET}", f"data.root=s3://{BUCKET} has no index.json: upload a folder multicard pack "
+                        "wrote"),
+                       (f"s3://{BUCKET}/broken", f"index s3://{BUCKET}/broken/index.json cannot be read "
+                        "(JSONDecodeError); upload the folder multicard pack wrote again"),
+                       ("s3://Bad_Bucket!/pack", "cannot read s3://Bad_Bucket!/pack (ParamValidationError: Parameter "
+                        "validation failed: Invalid bucket name")):  # fmt: skip
+        with pytest.raises(UserError) as refused:
+            read_splits(load_config(None, ["data.name=shards", f"data.root={root}"]).data, 0)
+        assert said in str(refused.value)
+    assert waits == []  # no retry: another attempt would find no more
+
+
+def test_35_3_wrong_credentials_are_one_line_at_once(uploaded, s3_env, waits, monkeypatch):
+    endpoint = s3_env["AWS_ENDPOINT_URL"]
+
+    def authenticate(count: str) -> None:  # moto's switch: check signatures from now on ("0"), or never ("inf")
+        request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", count.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})  # fmt: skip
+        urllib.request.urlopen(request, timeout=10).read()
+
+    authenticate("0")
+    try:
+        with pytest.raises(UserError) as refused:
+            read_splits(load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data, 0)
+    finally:
+        authenticate("inf")
+    message = str(refused.value)
+    assert message.startswith(f"cannot read {uploaded}: access denied (PermissionError: ")
+    assert "check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)" in message
+    assert S3_SECRET not in message and waits == []
+
+
+def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_env, waits, monkeypatch):
+    """The server down at the first attempt and up again during the first wait: the read succeeds.
+    Down for good: one line after the bounded retries, 0.5 s, 1 s, 2 s apart."""
+    server = Server()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_environment(server.port)["AWS_ENDPOINT_URL"])
+    server.stop()
+    remote = storage.Remote(uploaded, retries=3)
+    restarted: list[Server] = []
+
+    def wait_and_restart(seconds: float) -> None:
+        waits.append(seconds)
+        if not restarted:
+            restarted.append(Server(server.port))
+
+    monkeypatch.setattr(storage, "sleep", wait_and_restart)
+    try:
+        assert remote.read(INDEX) == (packed / INDEX).read_bytes()
+    finally:
+        for again in restarted:
+            again.stop()
+    assert waits == [storage.FIRST_WAIT_S] and len(restarted) == 1
+    monkeypatch.setattr(storage, "sleep", waits.append)
+    waits.clear()
+    with pytest.raises(
+        UserError,
+        match=rf"cannot read {uploaded}/train-00000.tar \(EndpointConnectionError: .* "
+        r"after 4 attempt\(s\) over 3.5 s; check that the storage endpoint is up",
+    ):
+        remote.read("train-00000.tar", 0, 512)
+    assert waits == [0.5, 1.0, 2.0]
+    # What s3fs raises for SlowDown / 503 and InternalError / 500 is transient too; absence and refusal are not.
+    assert storage.transient(OSError(errno.EBUSY, "Please reduce your request rate"))
+    assert storage.transient(OSError(errno.EREMOTEIO, "We encountered an internal error"))
+    assert not storage.transient(FileNotFoundError("bucket/key")) and not storage.transient(PermissionError("denied"))
+
+
+@pytest.mark.slow
+def test_35_5_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_keeps_the_checkpoint(
+        uploaded, s3_server, tmp_path):  # fmt: skip
+    server = Server()
+    env = {**s3_environment(server.port), **slowed(200, rank=0)}
+    run = start("train", *TRAIN, f"data.root={uploaded}", "train.epochs=3", "checkpoint.every_steps=2",
+                "data.read_retries=1", f"out_dir={tmp_path}", env=env)  # fmt: skip
+    try:
+        wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+    finally:
+        server.stop()
+    stopped = time.monotonic()
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 2, err
+    line = one_line(err)
+    assert f"cannot read {uploaded}/" in line and "after 2 attempt(s) over 0.5 s" in line, line
+    assert time.monotonic() - stopped < 30  # bounded: the retries' 0.5 s, then the run's end
+    assert S3_SECRET not in out + err
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] >= 2  # the last good one, intact
+
+
+def test_35_6_an_unknown_scheme_or_a_missing_package_is_one_line_naming_what_to_install(tmp_path, monkeypatch,
+                                                                                         capsys):  # fmt: skip
+    pytest.importorskip("fsspec")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "data.name=shards", "data.root=nosuch://b/pack"]) == 2
+    said = "data.root=nosuch://b/pack: nosuch:// is no storage protocol fsspec knows"
+    assert said in one_line(capsys.readouterr().err)
+    assert main(["train", "data.name=shards", "data.root=s3://"]) == 2
+    said = "data.root=s3:// names no location; give the bucket and prefix, e.g. s3://bucket/prefix"
+    assert said in one_line(capsys.readouterr().err)
+    if importlib.util.find_spec("gcsfs") is None:
+        assert main(["train", "data.name=shards", "data.root=gs://b/pack"]) == 2
+        said = "data.root=gs://b/pack needs gcsfs (fsspec's gs:// protocol): pip install fsspec gcsfs"
+        assert said in one_line(capsys.readouterr().err)
+    hidden = tmp_path / "hidden"  # an s3fs that cannot be imported, ahead of the real one
+    (hidden / "s3fs").mkdir(parents=True)
+    (hidden / "s3fs" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 's3fs'\")\n")
+    result = cli("train", "data.name=shards", "data.root=s3://b/pack", env={"PYTHONPATH": str(hidden)})
+    assert result.returncode == 2
+    assert "needs s3fs (fsspec's s3:// protocol): pip install 'multicard[s3]'" in one_line(result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hidden"]  # no folder named after a scheme
+
+
+def test_35_7_credentials_in_a_url_are_refused_without_being_repeated():
+    with pytest.raises(UserError) as refused:
+        load_config(None, ["data.name=shards", "data.root=s3://AKIAEXAMPLE:hunter2@bucket/pack"])
+    message = str(refused.value)
+    assert message.startswith("data.root=s3://…@bucket/pack holds credentials")
+    assert "hunter2" not in message and "AKIAEXAMPLE" not in message
+
+
+def test_35_8_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
+    samples = read_splits(load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data, 0).train.dataset
+    first = samples[0][0].data
+    parent = samples.remote.fs()[0]
+    pid = os.fork()
+    if pid == 0:
+        same = samples[0][0].data == first
+        os._exit(0 if same and samples.remote.fs()[0] is not parent and samples.remote._pid == os.getpid() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
