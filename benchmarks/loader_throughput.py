@@ -59,14 +59,14 @@ from torchvision import transforms as T
 import multicard
 from multicard.base.config import load_config
 from multicard.data import build_data
-from multicard.data import jpeg as fast_jpeg
-from multicard.data.sources import scan_folder
+from multicard.data.decoding import jpeg as fast_jpeg
+from multicard.data.sources.folders import scan_folder
 from multicard.runtime.process_group import ProcessContext
 
 try:
-    from multicard.data.sampling import BatchSplit
+    from multicard.data.loading.sampling import BatchSplit
 except ImportError:  # --against code from before issue 23 (2026-12-01), which called it BatchPlan
-    from multicard.data.sampling import BatchPlan as BatchSplit
+    from multicard.data.loading.sampling import BatchPlan as BatchSplit
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
 SIZE, RESIZE, SCALE = 224, 256, (0.08, 1.0)

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from multicard.base.config import load_config, with_overrides  # noqa: E402
 from multicard.data import build_data  # noqa: E402
-from multicard.data.sampling import BatchSplit  # noqa: E402
+from multicard.data.loading.sampling import BatchSplit  # noqa: E402
 from multicard.runtime.process_group import ProcessContext  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from multicard.base.config import load_config, with_overrides
 from multicard.data import build_data
-from multicard.data.sampling import BatchSplit
+from multicard.data.loading.sampling import BatchSplit
 from multicard.runtime.process_group import ProcessContext, cpu_cores
 from multicard.strategy.models import build_model
 

@@ -15,9 +15,9 @@ from PIL import Image
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.data import build_data as build_loaders
-from multicard.data import decode
 from multicard.data import read_splits as read_sources
-from multicard.data.sampling import BatchSplit
+from multicard.data.decoding import decode
+from multicard.data.loading.sampling import BatchSplit
 from multicard.runtime.process_group import ProcessContext
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from conftest import TINY, run_here
 from multicard.base.config import MixConfig
 from multicard.cli.main import main
-from multicard.data.mixing import StepMix, mixing
-from multicard.data.sampling import BatchSplit, ShardedBatchSampler, copies_in_a_micro_batch, repeats_note
+from multicard.data.augmentation.mixing import StepMix, mixing
+from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, copies_in_a_micro_batch, repeats_note
 from multicard.engine.meters import TrainMeter
 from multicard.engine.phases import PhaseClock
 from multicard.runtime.process_group import ProcessContext

@@ -25,7 +25,7 @@ from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.cli.main import main
 from multicard.data import read_splits, sample_list_fingerprint
-from multicard.data.shards import INDEX, PARTIAL, ShardSamples
+from multicard.data.sources.shards import INDEX, PARTIAL, ShardSamples
 from multicard.runtime.process_group import cpu_cores
 from multicard.tools.pack import PackOptions, pack, run_pack, verify_pack
 
@@ -349,7 +349,7 @@ def test_37_22_a_missing_image_file_of_a_parquet_dataset_is_named(folder, tmp_pa
     datasets = pytest.importorskip("datasets")
     import pyarrow.parquet as pq
 
-    from multicard.data.user import read_item
+    from multicard.data.sources.user import read_item
 
     files, gone = [str(f) for f in sorted((folder / "train").glob("*/*.png"))], tmp_path / "gone.png"
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})

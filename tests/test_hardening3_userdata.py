@@ -22,10 +22,10 @@ from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.cli.main import main
 from multicard.data import build_data, read_splits
-from multicard.data.ranks import check_same_across_ranks, summary
-from multicard.data.sampling import BatchSplit
-from multicard.data.sources import Files, InMemory, Splits
-from multicard.data.user import read_item
+from multicard.data.loading.sampling import BatchSplit
+from multicard.data.sources.folders import Files, InMemory, Splits
+from multicard.data.sources.ranks import check_same_across_ranks, summary
+from multicard.data.sources.user import read_item
 from multicard.observe.telemetry import DataBound, Reporter, TrainingLog
 from multicard.observe.tracking import TRACKERS, MlflowRun
 from multicard.run.session import open_session

@@ -24,10 +24,10 @@ from multicard.base.config import load_config, to_dict
 from multicard.base.errors import UserError
 from multicard.cli.main import main
 from multicard.data import loader_processes
-from multicard.data.decode import read_image
-from multicard.data.encoded import to_rgb
-from multicard.data.transforms import FitSquare, RandomResizedCropFlip
-from multicard.data.user import to_picture
+from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip
+from multicard.data.decoding.decode import read_image
+from multicard.data.sources.encoded import to_rgb
+from multicard.data.sources.user import to_picture
 from multicard.runtime.process_group import ProcessContext, cpu_cores
 from multicard.strategy.models import build_model
 from multicard.strategy.topology import resolve

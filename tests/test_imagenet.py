@@ -26,14 +26,14 @@ from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.cli.main import parse
 from multicard.data import build_data
-from multicard.data.crops import crop_uniforms
-from multicard.data.decode import read_image
-from multicard.data.decode_choice import choose_decode
-from multicard.data.gpu_decode import TORCHVISION_DEPRECATION, GpuDecode, nvjpeg
-from multicard.data.jpeg_crop import JpegFile, JpegTransform, collate_encoded
-from multicard.data.sampling import BatchSplit
-from multicard.data.sources import Files, InMemory, Splits
-from multicard.data.transforms import FitSquare, RandomResizedCropFlip
+from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip
+from multicard.data.decoding.choice import choose_decode
+from multicard.data.decoding.crops import crop_uniforms
+from multicard.data.decoding.decode import read_image
+from multicard.data.decoding.gpu_decode import TORCHVISION_DEPRECATION, GpuDecode, nvjpeg
+from multicard.data.decoding.jpeg_crop import JpegFile, JpegTransform, collate_encoded
+from multicard.data.loading.sampling import BatchSplit
+from multicard.data.sources.folders import Files, InMemory, Splits
 from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.optim import scaled_lr
 from test_large_images import mad, photo_like, to_hwc

@@ -16,11 +16,12 @@ from torchvision import transforms as T
 
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
-from multicard.data import build_data, jpeg
-from multicard.data.crops import DRAWS, RATIO, centre_region, crop_uniforms, random_resized_box
-from multicard.data.decode import read_image
-from multicard.data.sampling import BatchSplit
-from multicard.data.transforms import FitSquare, RandomResizedCropFlip, reduction
+from multicard.data import build_data
+from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip, reduction
+from multicard.data.decoding import jpeg
+from multicard.data.decoding.crops import DRAWS, RATIO, centre_region, crop_uniforms, random_resized_box
+from multicard.data.decoding.decode import read_image
+from multicard.data.loading.sampling import BatchSplit
 from multicard.runtime.process_group import ProcessContext
 
 PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"

@@ -4,7 +4,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.base.errors import UserError
-from multicard.data.synthetic import make_synthetic
+from multicard.data.sources.synthetic import make_synthetic
 from multicard.strategy.base import Strategy
 from multicard.strategy.models import build_model
 from multicard.strategy.precision import AutocastForward, Precision

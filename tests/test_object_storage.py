@@ -34,7 +34,7 @@ from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in
 from multicard.cli.main import main
 from multicard.data import read_splits
-from multicard.data.shards import INDEX
+from multicard.data.sources.shards import INDEX
 from multicard.tools.pack import PackOptions, pack
 
 BUCKET = "packs"

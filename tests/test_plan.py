@@ -21,7 +21,7 @@ from conftest import clean_env
 from multicard.base.config import load_config, with_overrides
 from multicard.base.errors import UserError
 from multicard.cli.main import main as cli_main
-from multicard.data.sampling import BatchSplit
+from multicard.data.loading.sampling import BatchSplit
 from multicard.run.session import open_session
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.process_group import cpu_cores

@@ -25,11 +25,11 @@ from conftest import (
 from multicard.base.config import DataConfig, MixConfig, load_config
 from multicard.base.errors import UserError
 from multicard.checkpoint import read_checkpoint
-from multicard.data.device_transform import DeviceTransform
-from multicard.data.mixing import BatchMix
-from multicard.data.policies import sample_policy
-from multicard.data.progressive import ProgressiveSize, progressive_size
-from multicard.data.sampling import repeated_order
+from multicard.data.augmentation.device_transform import DeviceTransform
+from multicard.data.augmentation.mixing import BatchMix
+from multicard.data.augmentation.policies import sample_policy
+from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
+from multicard.data.loading.sampling import repeated_order
 from multicard.engine.ema import WeightAverage
 from multicard.strategy.optim import lr_factor
 from multicard.tools.verify.checks import check_coverage

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from multicard.base.errors import UserError
-from multicard.data.augment import crop_flip
-from multicard.data.sampling import BatchSplit, ShardedBatchSampler, eval_shard
+from multicard.data.augmentation.augment import crop_flip
+from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, eval_shard
 
 
 def _epoch(num_samples, global_batch, accum, world, epoch, seed=0):

@@ -37,10 +37,10 @@ from conftest import (
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.data import read_splits
-from multicard.data.sampling import BatchSplit, ShardedBatchSampler, epoch_permutation
-from multicard.data.shards import INDEX, RUN, WINDOW, ShardSamples, local_order, order_of
-from multicard.data.transforms import FitSquare
-from multicard.data.workers import SourceImages
+from multicard.data.augmentation.transforms import FitSquare
+from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, epoch_permutation
+from multicard.data.loading.workers import SourceImages
+from multicard.data.sources.shards import INDEX, RUN, WINDOW, ShardSamples, local_order, order_of
 from multicard.tools.pack import PackOptions, pack, run_pack, verify_pack
 
 CIFAR = Path("/work/shared/data/cifar10/train")

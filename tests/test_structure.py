@@ -243,7 +243,7 @@ def test_the_checks_see_a_cycle_an_upward_import_and_a_private_name():
     cli, tool, engine = "multicard.cli.main", "multicard.tools.plan.planner", "multicard.engine.trainer"
     assert layer_of(cli) > layer_of(tool) > layer_of(engine)
     assert layer_of("multicard.nowhere") is None and layer_of("multicard") == layer_of("multicard.run")
-    assert layer_of("multicard.data.sampling") == layer_of("multicard.data")
+    assert layer_of("multicard.data.loading.sampling") == layer_of("multicard.data")
 
 
 def test_one_module_runs_backward():

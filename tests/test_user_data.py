@@ -33,10 +33,10 @@ from conftest import (
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.data import read_splits
-from multicard.data.encoded import EncodedImage
-from multicard.data.transforms import FitSquare
-from multicard.data.user import read_item
-from multicard.data.workers import SourceImages
+from multicard.data.augmentation.transforms import FitSquare
+from multicard.data.loading.workers import SourceImages
+from multicard.data.sources.encoded import EncodedImage
+from multicard.data.sources.user import read_item
 
 CLASSES = ("cat", "dog", "owl")
 TRAIN_PER_CLASS, VAL_PER_CLASS = (64, 64, 64), (17, 17, 16)  # 192 training images; 50 divides by neither 2 nor 3

@@ -31,11 +31,11 @@ from train_run import cuda_or_reason
 
 from multicard.base.config import load_config
 from multicard.data import build_data
-from multicard.data.decode import read_image
-from multicard.data.gpu_decode import GpuDecode
-from multicard.data.jpeg_crop import JpegTransform, collate_encoded
-from multicard.data.sampling import BatchSplit
-from multicard.data.transforms import RandomResizedCropFlip
+from multicard.data.decoding.decode import read_image
+from multicard.data.decoding.gpu_decode import GpuDecode
+from multicard.data.decoding.jpeg_crop import JpegTransform, collate_encoded
+from multicard.data.loading.sampling import BatchSplit
+from multicard.data.augmentation.transforms import RandomResizedCropFlip
 from multicard.runtime.process_group import ProcessContext
 
 IMAGE_SIZE = 224

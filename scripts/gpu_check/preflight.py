@@ -25,7 +25,7 @@ MISSING, NO_CUDA = 3, 4
 # subprocesses import beyond them (`multicard train`/`eval`, fsdp, compile).
 MODULES = ["torch", "torchvision", "numpy", "PIL", "yaml", "omegaconf", "rich", "multicard.cli.main",
            "multicard.cli.commands", "multicard.run.session", "multicard.strategy.fsdp", "multicard.checkpoint",
-           "multicard.data.gpu_decode", "multicard.tools.plan.planner", "multicard.tools.plan.worker", "torch._dynamo",
+           "multicard.data.decoding.gpu_decode", "multicard.tools.plan.planner", "multicard.tools.plan.worker", "torch._dynamo",
            "torch.distributed.checkpoint", "torch.utils.flop_counter"]  # fmt: skip
 STEP_SCRIPTS = ["throughput", "proofs", "matrix", "gpu_decode", "plan_check", "summary"]
 # Modules one step alone needs (absent from a bare `pip install multicard`): without one, that step

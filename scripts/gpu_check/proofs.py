@@ -200,7 +200,7 @@ def workers_jpeg_pinned(out: Path) -> dict:
 
     from multicard.base.config import load_config
     from multicard.data import build_data
-    from multicard.data.sampling import BatchSplit
+    from multicard.data.loading.sampling import BatchSplit
     from multicard.runtime.process_group import ProcessContext
 
     folder = jpeg_folder(out)

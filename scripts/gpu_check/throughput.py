@@ -31,7 +31,7 @@ from train_run import train
 
 from multicard.base.config import load_config
 from multicard.data import build_data
-from multicard.data.sampling import BatchSplit
+from multicard.data.loading.sampling import BatchSplit
 from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.models import build_model
 from multicard.tools.plan.hardware import peak_bf16

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.base.config import Config
-from multicard.data.synthetic import make_synthetic
+from multicard.data.sources.synthetic import make_synthetic
 from multicard.engine.phases import StepClock, summary_ms
 from multicard.runtime.environment import detect_env
 from multicard.runtime.process_group import threads_per_process

@@ -38,7 +38,7 @@ def _mark() -> None:
 
 
 def _install() -> None:
-    from multicard.data.device import DeviceTrainLoader
+    from multicard.data.loading.device import DeviceTrainLoader
     from multicard.engine.trainer import Trainer
 
     after = int(os.environ.get("MULTICARD_FAULT_STEP", "5"))

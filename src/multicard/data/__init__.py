@@ -15,20 +15,19 @@ from multicard.base.config import DataConfig
 from multicard.base.errors import UserError
 from multicard.base.host_memory import available_memory
 from multicard.base.storage import is_url
-from multicard.data.decode import decoded, default_cache_dir, fit_square
-from multicard.data.decode_choice import check_decode, choose_decode
-from multicard.data.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
-from multicard.data.device_transform import Augment, DeviceTransform
-from multicard.data.gpu_decode import GpuDecode
-from multicard.data.jpeg_crop import JpegTransform, collate_encoded
-from multicard.data.loaders import EvalLoader, TrainLoader
-from multicard.data.policies import sample_policy
-from multicard.data.progressive import ProgressiveSize, progressive_size
-from multicard.data.ranks import check_same_across_ranks
-from multicard.data.remote_shards import remote_shard_splits
-from multicard.data.sampling import BatchSplit, ShardedBatchSampler
-from multicard.data.shards import ShardSamples, order_of, shard_splits
-from multicard.data.sources import (
+from multicard.data.augmentation.device_transform import Augment, DeviceTransform
+from multicard.data.augmentation.policies import sample_policy
+from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
+from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip, is_small
+from multicard.data.decoding.choice import check_decode, choose_decode
+from multicard.data.decoding.decode import decoded, default_cache_dir, fit_square
+from multicard.data.decoding.gpu_decode import GpuDecode
+from multicard.data.decoding.jpeg_crop import JpegTransform, collate_encoded
+from multicard.data.loading.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
+from multicard.data.loading.loaders import EvalLoader, TrainLoader
+from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler
+from multicard.data.loading.workers import Transform, WorkerEvalLoader, WorkerTrainLoader
+from multicard.data.sources.folders import (
     Files,
     InMemory,
     Items,
@@ -39,10 +38,11 @@ from multicard.data.sources import (
     image_folder,
     scan_folder,
 )
-from multicard.data.synthetic import CLASSES, make_synthetic
-from multicard.data.transforms import FitSquare, RandomResizedCropFlip, is_small
-from multicard.data.user import decode_items, function_splits
-from multicard.data.workers import Transform, WorkerEvalLoader, WorkerTrainLoader
+from multicard.data.sources.ranks import check_same_across_ranks
+from multicard.data.sources.remote_shards import remote_shard_splits
+from multicard.data.sources.shards import ShardSamples, order_of, shard_splits
+from multicard.data.sources.synthetic import CLASSES, make_synthetic
+from multicard.data.sources.user import decode_items, function_splits
 from multicard.runtime.process_group import ProcessContext, cpu_cores
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
@@ -90,7 +90,7 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         splits = (remote_shard_splits(d.root, d.reads_in_flight, d.read_retries) if is_url(d.root)
                   else shard_splits(Path(d.root), d.reads_in_flight))  # fmt: skip
     elif d.name == "hf":
-        from multicard.data.hf import hf_splits  # imports the optional datasets package
+        from multicard.data.sources.hf import hf_splits  # imports the optional datasets package
 
         splits = hf_splits(d)
     else:

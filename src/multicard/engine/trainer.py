@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.base.errors import Stopped, TrainingDiverged
-from multicard.data.loaders import Batch, EvalLoader, TrainLoader
-from multicard.data.mixing import StepMix
+from multicard.data.augmentation.mixing import StepMix
+from multicard.data.loading.loaders import Batch, EvalLoader, TrainLoader
 from multicard.engine.ema import WeightAverage
 from multicard.engine.loop import (
     OPTIMIZER_KERNEL_KEYS as OPTIMIZER_KERNEL_KEYS,  # re-exported: its users import it from here

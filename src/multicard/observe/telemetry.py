@@ -29,7 +29,7 @@ from rich.progress import (
 from multicard.base.atomic import probe_write, write_text_atomic
 from multicard.base.config import DataConfig
 from multicard.base.errors import UserError
-from multicard.data.transforms import is_small
+from multicard.data.augmentation.transforms import is_small
 from multicard.engine.loop import Callback, Loop, StepEnd
 from multicard.engine.meters import EvalResult
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from multicard.base.errors import UserError
-from multicard.data.keyed import move_to
+from multicard.data.loading.keyed import move_to
 
 if TYPE_CHECKING:
     from multicard.strategy.base import Strategy

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import default_collate
 
-from multicard.data.keyed import KeyedSamples, Transform, move_to
-from multicard.data.sampling import BatchSplit, ShardedBatchSampler, eval_batches
-from multicard.data.workers import EpochKeys, EvalKeys, data_loader
+from multicard.data.loading.keyed import KeyedSamples, Transform, move_to
+from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, eval_batches
+from multicard.data.loading.workers import EpochKeys, EvalKeys, data_loader
 from multicard.engine.phases import DATA, FORWARD
 from multicard.runtime.process_group import ProcessContext
 
@@ -85,7 +85,7 @@ class Loader:
             self.steps.end_micro()
 
     def close(self) -> None:
-        from multicard.data.workers import shutdown_workers
+        from multicard.data.loading.workers import shutdown_workers
 
         shutdown_workers(self.loader)
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from multicard.base.errors import UserError
-from multicard.data.keyed import Transform, check_map_style
+from multicard.data.loading.keyed import Transform, check_map_style
 from multicard.engine.loop import Position
 from multicard.engine.phases import EVALUATION, IDLE
 from multicard.run.ending import install as install_error_hook
@@ -192,6 +192,6 @@ class Run:
 
 
 def loader_workers_end(loader: Any) -> None:
-    from multicard.data.workers import shutdown_workers
+    from multicard.data.loading.workers import shutdown_workers
 
     shutdown_workers(loader)

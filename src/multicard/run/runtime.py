@@ -16,7 +16,7 @@ from typing import Any
 from multicard.base.config import Config
 from multicard.base.errors import UserError
 from multicard.data import loader_processes
-from multicard.data.sampling import BatchSplit
+from multicard.data.loading.sampling import BatchSplit
 from multicard.engine.loop import Loop
 from multicard.observe.telemetry import Reporter
 from multicard.run.ending import on_error

@@ -24,9 +24,9 @@ from multicard.checkpoint import RunFacts
 from multicard.checkpoint.compat import run_length
 from multicard.checkpoint.weights import load_weights
 from multicard.data import Data, build_data
-from multicard.data.loaders import EvalLoader, TrainLoader
-from multicard.data.mixing import StepMix, mixing
-from multicard.data.sampling import BatchSplit
+from multicard.data.augmentation.mixing import StepMix, mixing
+from multicard.data.loading.loaders import EvalLoader, TrainLoader
+from multicard.data.loading.sampling import BatchSplit
 from multicard.engine.ema import WeightAverage
 from multicard.engine.loop import Callback, Loop
 from multicard.engine.trainer import Schedule, Trainer

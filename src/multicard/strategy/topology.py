@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from multicard.base.config import Config, DDPConfig, FSDPConfig, parse_devices
 from multicard.base.errors import UserError
-from multicard.data.decode_choice import check_decode
-from multicard.data.mixing import check_pairs
-from multicard.data.sampling import BatchSplit
+from multicard.data.augmentation.mixing import check_pairs
+from multicard.data.decoding.choice import check_decode
+from multicard.data.loading.sampling import BatchSplit
 from multicard.runtime.process_group import resolve_gpus
 
 ONE_PROCESS = ("single", "dp")  # strategies that run in one process

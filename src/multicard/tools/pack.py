@@ -39,8 +39,9 @@ from multicard.base.config import READS_ROOT, DataConfig
 from multicard.base.errors import UserError
 from multicard.base.version import __version__
 from multicard.data import capped_to_cores
-from multicard.data.encoded import PIL_ERRORS, EncodedImage, opened
-from multicard.data.shards import (
+from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, opened
+from multicard.data.sources.folders import Files, Items, Source, Splits
+from multicard.data.sources.shards import (
     BLOCK,
     COLUMNS,
     FORMAT,
@@ -54,8 +55,7 @@ from multicard.data.shards import (
     padded,
     read_index,
 )
-from multicard.data.sources import Files, Items, Source, Splits
-from multicard.data.user import read_item
+from multicard.data.sources.user import read_item
 from multicard.runtime.exits import die_with_parent
 from multicard.runtime.process_group import cpu_cores
 

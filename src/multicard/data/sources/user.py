@@ -26,10 +26,10 @@ import torch
 from PIL import Image
 
 from multicard.base.errors import MulticardError, UserError
-from multicard.data.decode import fit_square
-from multicard.data.encoded import PIL_ERRORS, EncodedImage, to_rgb
-from multicard.data.sources import InMemory, Items, Splits, seeded_split
-from multicard.data.transforms import Picture
+from multicard.data.augmentation.transforms import Picture
+from multicard.data.decoding.decode import fit_square
+from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, to_rgb
+from multicard.data.sources.folders import InMemory, Items, Splits, seeded_split
 from multicard.runtime.user_code import user_code
 
 SPLITS = ("train", "val")

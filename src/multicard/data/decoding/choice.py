@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from multicard.base.errors import UserError
-from multicard.data.sources import Files, Items, Splits
-from multicard.data.transforms import is_small
+from multicard.data.augmentation.transforms import is_small
+from multicard.data.sources.folders import Files, Items, Splits
 
 
 def check_decode(decode: str, cuda: bool) -> None:

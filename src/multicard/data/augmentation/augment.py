@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from multicard.data.transfer import to_device
+from multicard.data.loading.transfer import to_device
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from multicard.base.config import DataConfig
-from multicard.data.augment import sample_random
+from multicard.data.augmentation.augment import sample_random
 
 POLICY_STREAM, JITTER_STREAM, ERASING_STREAM = 4, 5, 6  # apart from crop (1, 2) and flip (3)
 

@@ -22,7 +22,7 @@ import torch
 
 from multicard.base.config import MixConfig
 from multicard.base.errors import UserError
-from multicard.data.sampling import BatchSplit
+from multicard.data.loading.sampling import BatchSplit
 
 MIX_STREAM = 0x6D6978  # keeps these draws apart from any other generator keyed by (seed, epoch, step)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from multicard.data.augment import crop_flip
-from multicard.data.policies import SamplePolicy
-from multicard.data.progressive import ProgressiveSize
+from multicard.data.augmentation.augment import crop_flip
+from multicard.data.augmentation.policies import SamplePolicy
+from multicard.data.augmentation.progressive import ProgressiveSize
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import torch
 
 from multicard.base.atomic import save_atomic
 from multicard.base.errors import UserError
-from multicard.data.encoded import EncodedImage
-from multicard.data.sources import Files, InMemory
+from multicard.data.sources.encoded import EncodedImage
+from multicard.data.sources.folders import Files, InMemory
 
 CACHE_FORMAT = 2  # bump when the stored layout or the decoding changes (2: 16-bit greyscale scaled)
 

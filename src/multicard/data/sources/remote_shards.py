@@ -13,7 +13,8 @@ import json
 
 from multicard.base.errors import UserError
 from multicard.base.storage import Remote
-from multicard.data.shards import (
+from multicard.data.sources.folders import Splits
+from multicard.data.sources.shards import (
     INDEX,
     PackedSplit,
     ShardSamples,
@@ -22,7 +23,6 @@ from multicard.data.shards import (
     packed_splits,
     parse_index,
 )
-from multicard.data.sources import Splits
 
 
 class RemoteShardSamples(ShardSamples):

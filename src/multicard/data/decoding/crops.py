@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from multicard.data.augment import sample_random
+from multicard.data.augmentation.augment import sample_random
 
 RATIO = (3 / 4, 4 / 3)
 ATTEMPTS = 10

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from PIL import Image
 
 from multicard.base.config import SMALL_IMAGE_MAX
-from multicard.data.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
-from multicard.data.decode import fit_square, resize_ops
-from multicard.data.encoded import EncodedImage
-from multicard.data.progressive import ProgressiveSize
+from multicard.data.augmentation.progressive import ProgressiveSize
+from multicard.data.decoding.crops import Box, centre_region, crop_uniforms, flips, random_resized_box, resized_size
+from multicard.data.decoding.decode import fit_square, resize_ops
+from multicard.data.sources.encoded import EncodedImage
 
 MAX_REDUCE = 8  # libjpeg scales by 1/2, 1/4 or 1/8 in the DCT domain
 

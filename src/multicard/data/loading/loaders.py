@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from multicard.data.sampling import ShardedBatchSampler
+from multicard.data.loading.sampling import ShardedBatchSampler
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input on the device, labels on the device)
 

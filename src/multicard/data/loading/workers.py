@@ -20,15 +20,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from multicard.base.errors import UserError
-from multicard.data.augment import sample_random
-from multicard.data.decode import read_image
-from multicard.data.device_transform import DeviceTransform
-from multicard.data.loaders import SampledTrainLoader
-from multicard.data.sampling import ShardedBatchSampler, eval_batches
-from multicard.data.shards import prefetch_items
-from multicard.data.sources import Files, Items, Source
-from multicard.data.transforms import Picture
-from multicard.data.user import read_item
+from multicard.data.augmentation.augment import sample_random
+from multicard.data.augmentation.device_transform import DeviceTransform
+from multicard.data.augmentation.transforms import Picture
+from multicard.data.decoding.decode import read_image
+from multicard.data.loading.loaders import SampledTrainLoader
+from multicard.data.loading.sampling import ShardedBatchSampler, eval_batches
+from multicard.data.sources.folders import Files, Items, Source
+from multicard.data.sources.shards import prefetch_items
+from multicard.data.sources.user import read_item
 
 # (uint8 (3, H, W) image, or a file read but not decoded, epoch, index) → uint8 image (or, under
 # data.decode=gpu, a JPEG's bytes with its crop: jpeg_crop.JpegTransform)

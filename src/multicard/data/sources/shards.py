@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from multicard.base.errors import UserError
-from multicard.data.encoded import EncodedImage
-from multicard.data.sources import Items, Splits
+from multicard.data.sources.encoded import EncodedImage
+from multicard.data.sources.folders import Items, Splits
 
 FORMAT = "multicard-shards"
 VERSION = 1

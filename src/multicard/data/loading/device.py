@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import torch
 
-from multicard.data.device_transform import DeviceTransform
-from multicard.data.loaders import SampledTrainLoader
-from multicard.data.sampling import ShardedBatchSampler, eval_batches
-from multicard.data.sources import InMemory
-from multicard.data.transfer import to_device
+from multicard.data.augmentation.device_transform import DeviceTransform
+from multicard.data.loading.loaders import SampledTrainLoader
+from multicard.data.loading.sampling import ShardedBatchSampler, eval_batches
+from multicard.data.loading.transfer import to_device
+from multicard.data.sources.folders import InMemory
 
 
 class TensorImages:

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from multicard.base.errors import UserError
-from multicard.data.hf import HFItems
-from multicard.data.shards import ShardSamples
-from multicard.data.sources import Files, InMemory, Source, Splits
+from multicard.data.sources.folders import Files, InMemory, Source, Splits
+from multicard.data.sources.hf import HFItems
+from multicard.data.sources.shards import ShardSamples
 from multicard.runtime.process_group import ProcessContext
 
 SAMPLED = 4096  # positions of a split that its fingerprint covers, evenly spread

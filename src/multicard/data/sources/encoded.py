@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from multicard.base.errors import UserError
-from multicard.data import jpeg
-from multicard.data.crops import Box
+from multicard.data.decoding import jpeg
+from multicard.data.decoding.crops import Box
 
 PIL_ERRORS = (OSError, ValueError, Image.DecompressionBombError)
 # Greyscale of more than 8 bits: 16-bit PNGs and TIFFs open as I;16 (older Pillow: I, 32-bit integers).

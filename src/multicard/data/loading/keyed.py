@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from multicard.base.errors import UserError
-from multicard.data.augment import sample_random
-from multicard.data.transfer import to_device
+from multicard.data.augmentation.augment import sample_random
+from multicard.data.loading.transfer import to_device
 
 USER_STREAM = 0x75736572  # "user": apart from the streams of multicard's own augmentations
 Transform = Callable[[Any, torch.Generator], Any]

@@ -18,8 +18,8 @@ import numpy as np
 
 from multicard.base.config import DataConfig
 from multicard.base.errors import UserError
-from multicard.data.sources import Splits
-from multicard.data.user import user_splits
+from multicard.data.sources.folders import Splits
+from multicard.data.sources.user import user_splits
 
 VAL_SPLITS = ("validation", "test")  # tried in this order when data.hf_val_split is not set
 SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes (DatasetDict, Dataset)

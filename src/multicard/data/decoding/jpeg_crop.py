@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from multicard.data.crops import Box, crop_uniforms, flips, random_resized_box, resized_size
-from multicard.data.encoded import EncodedImage
-from multicard.data.transforms import FitSquare, Picture, RandomResizedCropFlip
+from multicard.data.augmentation.transforms import FitSquare, Picture, RandomResizedCropFlip
+from multicard.data.decoding.crops import Box, crop_uniforms, flips, random_resized_box, resized_size
+from multicard.data.sources.encoded import EncodedImage
 
 NVJPEG_MODES = ("RGB", "L")  # JPEG colour modes nvjpeg decodes to RGB
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from multicard.data.decode import resize_ops
-from multicard.data.device_transform import DeviceTransform
-from multicard.data.encoded import EncodedImage
-from multicard.data.jpeg_crop import Crop, EncodedBatch
-from multicard.data.policies import SamplePolicy
-from multicard.data.progressive import ProgressiveSize
+from multicard.data.augmentation.device_transform import DeviceTransform
+from multicard.data.augmentation.policies import SamplePolicy
+from multicard.data.augmentation.progressive import ProgressiveSize
+from multicard.data.decoding.decode import resize_ops
+from multicard.data.decoding.jpeg_crop import Crop, EncodedBatch
+from multicard.data.sources.encoded import EncodedImage
 
 # torchvision 0.29 deprecates its image decoders in favour of TorchCodec's; its nvjpeg path is the
 # one every CUDA build of torchvision ships, so it is used with exactly that warning silenced.
