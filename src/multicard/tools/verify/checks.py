@@ -15,15 +15,19 @@ CHECKS = ("parity", "eval", "coverage", "resume")  # what `multicard verify --ch
 RUN_FAULTS = ("no-set-epoch", "rank-seed")  # the job's setup broken on purpose (`multicard verify --break`)
 RESUME_FAULTS = ("rng", "data-position")  # the state its checkpoints drop on purpose
 FAULTS = (*RUN_FAULTS, *RESUME_FAULTS)
-# Why 1e-9 (issue 37): in float64 another order of the same sums (N ranks, an all-reduce) moves a
-# value by ~1e-16 relative, and 4 steps of training carry that to 1e-14 (measured: smallcnn 4.6e-14,
+# Why 1e-9 (issue 37; docs/benchmarks.md "verify's parity on the speed recipe" has the numbers): in
+# float64 another order of the same sums (N ranks, an all-reduce, another thread count) moves a value
+# by ~1e-16 relative, and 4 steps of training carry that to 1e-14 (measured: smallcnn 4.6e-14,
 # speednet on synthetic data 2.8e-14); a real difference (a rank reading other samples, an epoch
 # that never reaches the sampler, a gradient left unaveraged) moves parameters by 1e-3 or more
 # (measured: --break rank-seed 1.4, no-set-epoch 0.41). 1e-9 is 10^4 above rounding and 10^6 below
-# the smallest such difference. Rounding is amplified beyond it where the gradient follows a
-# comparison of activations that rounding can decide: max-pooling over nearly equal values (flat
-# image regions, saturated activations passed on by identity-initialised convolutions) picks another
-# winner in each run at the first step: speednet on CIFAR-10 lands at 4.4e-10 or 1.4e-9 by seed.
+# the smallest such difference. It does NOT hold for speednet on CIFAR-10, where rounding decides a
+# comparison: saturated GELU outputs (~-1e-14, strongly negative whitened pixels) passed on by the
+# identity-initialised convolutions are normalised by BatchNorm onto one float64 value ± 1 ulp, so
+# max-pooling picks its winner among them by rounding (0-4 windows of a 512-image batch differ
+# between any two orders of the same sums); the gradient then reaches another pixel: 1e-6 to 1e-5 of a
+# convolution's gradient, 2e-10 to 2.3e-9 of the parameters after 4 steps. One process with 1 or 2
+# threads differs that much from itself (seed 1: 1.4e-9), so it is no distributed difference.
 PARAM_RTOL = 1e-9
 LOSS_RTOL = 1e-12
 
