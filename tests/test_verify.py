@@ -116,6 +116,20 @@ def test_parameter_check_reports_the_largest_difference():
     assert outcome.status == "fail" and "1.00e-06" in outcome.detail and "a.weight" in outcome.detail
 
 
+def test_37_5_past_1e9_parity_allows_the_rounding_one_process_makes_with_itself():
+    """A model whose comparisons rounding decides (speednet on CIFAR-10) lands as far from itself at
+    another thread count as ddp lands from one process: that floor, not a fixed number, is the bar;
+    a real difference stays far above any floor allowed."""
+    ref = {"w": torch.ones(4, dtype=torch.float64)}
+    off = {"w": torch.tensor([1.0, 1.0 + 2.3e-9, 1.0, 1.0], dtype=torch.float64)}
+    assert compare_parameters(off, ref, "ddp×2", 4).status == "fail"  # no floor measured: 1e-9
+    rounding = compare_parameters(off, ref, "ddp×2", 4, floor=1.4e-9)
+    assert rounding.status == "pass" and "1.40e-09" in rounding.detail
+    assert compare_parameters(off, ref, "ddp×2", 4, floor=1e-11).status == "fail"  # 2.3e-9 > 10 × 1e-11 (1e-9)
+    fault = {"w": torch.tensor([1.0, 1.41, 1.0, 1.0], dtype=torch.float64)}  # --break rank-seed's size
+    assert compare_parameters(fault, ref, "ddp×2", 4, floor=0.5).status == "fail"  # capped at 1e-6
+
+
 def test_eval_check_needs_identical_counts():
     single = {"samples": 100, "top1": 50.0, "top5": 90.0, "loss": 1.25}
     assert compare_eval(dict(single), single, 2).status == "pass"

@@ -31,6 +31,7 @@ from rich.console import Console
 from multicard.base.config import Config, load_config, to_dict, with_overrides
 from multicard.base.errors import ExitCode, MulticardError, UserError
 from multicard.runtime.launch import run_spec
+from multicard.runtime.process_group import threads_per_process
 from multicard.strategy.models import build_model
 from multicard.tools.verify.checks import (
     CHECKS,
@@ -44,6 +45,7 @@ from multicard.tools.verify.checks import (
     compare_resumed,
     has_batchnorm,
     has_dropout,
+    max_relative_difference,
     resume_cut,
 )
 
@@ -190,8 +192,8 @@ def verify(options: VerifyOptions, console: Console | None = None) -> list[Outco
         job, single = _run_all(options, runs, dropout)
         outcomes = []
         if "parity" in checks:
-            parity = compare_parameters(_params(runs.job), _params(runs.single), runs.label, steps)
-            outcomes.append(Outcome(f"{runs.label} equals single", "skip", DROPOUT) if dropout else parity)
+            skip = Outcome(f"{runs.label} equals single", "skip", DROPOUT)
+            outcomes.append(skip if dropout else _parity(runs, steps))
         if "eval" in checks:
             outcomes.append(compare_eval(job["eval"], single["eval"], options.nproc))
         if "coverage" in checks:
@@ -250,6 +252,21 @@ def _run_all(options: VerifyOptions, runs: Runs, dropout: bool) -> tuple[dict[st
         "faults": faults,
     }
     return job, _run(runs.single, 1, spec)
+
+
+def _parity(runs: Runs, steps: int) -> Outcome:
+    """The job's parameters against one process's; past PARAM_RTOL, against the floor one process
+    makes with itself at another thread count (the one-process run again)."""
+    multi, single = _params(runs.job), _params(runs.single)
+    outcome = compare_parameters(multi, single, runs.label, steps)
+    if not outcome.failed:
+        return outcome
+    threads = threads_per_process(runs.single.threads, 1)
+    other = with_overrides(runs.single, [f"threads={1 if threads > 1 else 2}",
+                                         f"out_dir={Path(runs.single.out_dir).parent / 'floor'}"])  # fmt: skip
+    _run(other, 1, {"train": "reference", "reference": None, "resume": None, "steps": steps, "faults": []})
+    floor, _ = max_relative_difference(_params(other), single)
+    return compare_parameters(multi, single, runs.label, steps, floor)
 
 
 def _resume_outcomes(runs: Runs, steps: int, cut: dict[str, int] | None, dropout: bool) -> list[Outcome]:
