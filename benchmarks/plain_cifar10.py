@@ -6,7 +6,7 @@ resnet18 with SGD (lr 0.01, momentum 0.9, nesterov, weight decay 1e-4), global b
 random crop (padding 4) + horizontal flip. It prints one JSON line per epoch:
 train accuracy, validation accuracy, epoch time.
 
-    python bench/plain_cifar10.py --root ../shared/data/cifar10 [--epochs 5] [--max-steps N]
+    python benchmarks/plain_cifar10.py --root ../shared/data/cifar10 [--epochs 5] [--max-steps N]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Reproduce the classic CIFAR-10 table, time multicard against the plain yardstick, and run
 the fast recipe against the seed recipe's wall time — all in one run on one machine.
 
-Runs, in order: the plain script (bench/plain_cifar10.py); configs/seed_cifar10.yaml in one
+Runs, in order: the plain script (benchmarks/plain_cifar10.py); configs/seed_cifar10.yaml in one
 process, again in exact fp32 maths, and with --nproc-per-node 2; configs/cifar10_fast.yaml.
 Prints train top-1 per epoch beside the reference table, median epoch times and their ratio
 to the plain script, wall times; writes summary.json.
 
-    python bench/seed_cifar10.py --root ../shared/data/cifar10 --out runs/bench-seed
+    python benchmarks/seed_cifar10.py --root ../shared/data/cifar10 --out runs/bench-seed
 """
 
 from __future__ import annotations
