@@ -35,7 +35,8 @@ CHECKPOINT_FORMATS = ("auto", "file", "sharded")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MAX_THREADS = 256  # per process; beyond this torch itself fails (and no node has that many cores per process)
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 4096
-SMALL_IMAGE_MAX = 64  # images up to this side use the small-image recipe (crop with padding, data/transforms.py)
+# images up to this side use the small-image recipe (crop with padding, data/augmentation/transforms.py)
+SMALL_IMAGE_MAX = 64
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")  # data.policy
 MAX_POLICY_OPS, MAX_POLICY_MAGNITUDE = 14, 30  # RandAugment's op count and magnitude bins
 MIX_MODES = ("batch", "pair", "elem")  # mix.mode
@@ -44,7 +45,7 @@ MIX_MODES = ("batch", "pair", "elem")  # mix.mode
 @dataclass(frozen=True)
 class DataConfig:
     # synthetic (embedded) | cifar10 (cifar-10-batches-py) | imagefolder | shards (a folder `multicard pack` wrote,
-    # data/shards.py) | hf (a Hugging Face dataset at data.root: save_to_disk or parquet files) |
+    # data/sources/shards.py) | hf (a Hugging Face dataset at data.root: save_to_disk or parquet files) |
     # package.module:function (your own dataset function; docs/datasets.md, Your own data)
     name: str = "synthetic"
     kwargs: dict[str, Any] = field(default_factory=dict)  # package.module:function: its keyword arguments
@@ -75,7 +76,8 @@ class DataConfig:
     val_size: int = 5000  # synthetic: number of validation images
     num_classes: int = 10  # synthetic: 2..10 (other datasets: the number of class folders)
     augment: bool = True  # small images: random crop with padding + flip; large: random resized crop + flip
-    # Per-sample policy after the crop and flip (torchvision's, drawn per seed, epoch and sample; data/policies.py):
+    # Per-sample policy after the crop and flip (torchvision's, drawn per seed, epoch and sample;
+    # data/augmentation/policies.py):
     # none | trivialaugment | randaugment (policy_ops, policy_magnitude) | autoaugment (ImageNet policy)
     policy: str = "none"
     policy_ops: int = 2  # randaugment: ops per image
@@ -85,8 +87,8 @@ class DataConfig:
     # Repeated augmentation: an epoch holds 1/repeats of the samples, each `repeats` times with different
     # augmentations, its copies spread over the global batch (config.check_repeats, docs/recipes.md); 1 = off
     repeats: int = 1
-    # Progressive resizing (data/progressive.py): training images of this side until progressive_start_epoch,
-    # growing to image_size by progressive_end_epoch in steps of progressive_multiple; 0 = off
+    # Progressive resizing (data/augmentation/progressive.py): training images of this side until
+    # progressive_start_epoch, growing to image_size by progressive_end_epoch in steps of progressive_multiple; 0 = off
     progressive_min_size: int = 0
     progressive_start_epoch: int = 0
     progressive_end_epoch: int = 0
@@ -121,7 +123,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MixConfig:
-    """Mixup and CutMix of training batches, on the device (data/mixing.py); both alphas 0 = off."""
+    """Mixup and CutMix of training batches, on the device (data/augmentation/mixing.py); both alphas 0 = off."""
 
     mixup_alpha: float = 0.0  # λ ~ Beta(alpha, alpha); timm's recipes use 0.8 (0.2 for ResNets)
     cutmix_alpha: float = 0.0  # the same for CutMix's box; 1.0 in timm's recipes
@@ -561,8 +563,8 @@ def check_mix(m: MixConfig) -> None:
 
 def check_repeats(cfg: Config) -> None:
     """Repeated augmentation fills each global batch with whole sets of copies, and its copies
-    never form a mixing pair: copies stand B/repeats positions apart (data/sampling.py's
-    repeated_order) and a pair is positions 2k, 2k+1 (data/mixing.py), so only a global batch of
+    never form a mixing pair: copies stand B/repeats positions apart (data/loading/sampling.py's
+    repeated_order) and a pair is positions 2k, 2k+1 (data/augmentation/mixing.py), so only a global batch of
     copies of one sample (B/repeats = 1) pairs a sample with itself. Whatever the world size."""
     batch, repeats = cfg.train.global_batch_size, cfg.data.repeats
     if batch % repeats:

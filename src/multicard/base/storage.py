@@ -1,7 +1,7 @@
 """Object storage: URLs (s3://bucket/prefix, gs://, az://, any protocol fsspec knows) read through fsspec.
 
 Where a URL is accepted: `data.name=shards data.root=URL`, a folder `multicard pack` wrote, uploaded as
-it is (data/remote_shards.py). Every other path is local, and a URL there is one line
+it is (data/sources/remote_shards.py). Every other path is local, and a URL there is one line
 (config.check_local_path). Credentials and endpoints come from the environment the protocol's package
 reads (for s3://: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL, ~/.aws), never
 from the config: a URL holding them is refused, as the config is saved in config.yaml and checkpoints.

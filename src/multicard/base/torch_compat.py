@@ -5,7 +5,7 @@ These private modules had the same names and contents throughout that range (che
 and 2.14.1). Where a later torch moves one, the fallback here keeps multicard importing, and this
 is the one file to change. The other internals in use were also the same on both: FakeTensorMode
 (plan/fake.py), the profiler's allocation events (plan/profiled_peak.py) and DataLoader's
-`_shutdown_workers` (data/workers.py, called only where it exists).
+`_shutdown_workers` (data/loading/workers.py, called only where it exists).
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     sizes = progressive_size(d)
     train_finish = DeviceTransform(d.mean, d.std, ctx.device, augment, seed, sample_policy(d, seed), sizes)
     eval_finish = DeviceTransform(d.mean, d.std, ctx.device, None, seed)
-    order = order_of(splits.train, d.order)  # data.order=local: runs of neighbours in the shards (data/shards.py)
+    order = order_of(splits.train, d.order)  # data.order=local: runs of neighbours (data/sources/shards.py)
     sampler = (
         ShardedBatchSampler(len(splits.train), batch_split, ctx.rank, seed, d.repeats, order) if batch_split else None
     )
@@ -239,7 +239,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     eval_size = d.eval_size or d.image_size
     collate = None
     if choose_decode(d.decode, kind, splits, d.image_size, ctx.device) == "gpu":
-        # Workers read the files and plan the crops; nvjpeg decodes and the GPU crops (data/gpu_decode.py).
+        # Workers read the files and plan the crops; nvjpeg decodes and the GPU crops (data/decoding/gpu_decode.py).
         train_tf, eval_tf = JpegTransform(train_tf), JpegTransform(eval_tf)
         train_finish = GpuDecode(
             d.mean, d.std, ctx.device, seed, d.image_size, policy=sample_policy(d, seed), sizes=sizes

@@ -9,7 +9,7 @@ still beats claims the report, every rank writes the stacks of all its threads t
 out_dir/stall/rank-K.txt (faulthandler reads them even while the main thread is blocked inside a
 collective), and one line names who is where:
 
-    stall at step 812 (125 s): rank 3 in data loading (data/workers.py:88); ranks 0-2 wait in
+    stall at step 812 (125 s): rank 3 in data loading (data/loading/workers.py:88); ranks 0-2 wait in
     gradient all-reduce; stacks in runs/x/stall/
 
 With on_stall=abort every rank then exits with ExitCode.STALLED instead of waiting for the

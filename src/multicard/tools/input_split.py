@@ -2,7 +2,7 @@
 host-to-device copy of the workers loader, beside the model's own step, per rank, and what to change.
 
 For each rank of `--world-size`, the first `--batches` micro-batches it reads in epoch 0 (the same
-samples training reads: data/sampling.py) go through the loader's stages one at a time, timed
+samples training reads: data/loading/sampling.py) go through the loader's stages one at a time, timed
 apart, in this process:
 - read: the sample's bytes from storage (a file, a dataset's item; packed shards read a batch's
   bytes at once, `data.reads_in_flight` reads in flight, as their loaders do);

@@ -1,4 +1,4 @@
-"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (data/shards.py).
+"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (data/sources/shards.py).
 
     multicard pack --out /shared/cifar10-shards data.name=imagefolder data.root=/data/cifar10
     multicard pack --verify /shared/cifar10-shards
@@ -138,7 +138,7 @@ def chunk_size(n: int) -> int:
 
 def stored_order(n: int) -> list[int]:
     """The sample stored at each position of a split's shards: a fixed shuffle, so that neighbours in
-    a shard are a mix of classes (a locality-aware order reads runs of them: data/shards.py). The
+    a shard are a mix of classes (a locality-aware order reads runs of them: data/sources/shards.py). The
     index gives each sample where it is, so the split's order stays the source's."""
     # numpy, not torch: packing processes are forked, and torch's thread pool can hang after a fork
     return np.random.default_rng(STORED_ORDER_SEED).permutation(n).tolist()

@@ -1,6 +1,5 @@
 """The last step of every loader, on the training device: crop/flip (small images), the
-per-sample policies (data/policies.py), normalise, the epoch's size (data/progressive.py), random
-erasing.
+per-sample policies (policies.py), normalise, the epoch's size (progressive.py), random erasing.
 
 Both loaders hand over uint8 batches with their dataset indices; the indices, not the batch,
 key the randomness, so a sample is augmented alike whichever rank or loader reads it.

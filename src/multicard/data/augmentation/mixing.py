@@ -2,7 +2,7 @@
 
 Each sample mixes with its neighbour in the global batch: positions 2k and 2k+1 form a pair, and a
 pair never straddles two ranks or micro-steps (every per-process micro-batch is even, and holds
-a contiguous slice of the global batch: data/sampling.py). The draws (whether to mix, mixup or
+a contiguous slice of the global batch: data/loading/sampling.py). The draws (whether to mix, mixup or
 CutMix, λ, the box) come from a generator keyed by (seed, epoch, step) that draws them for the
 whole global batch; each rank takes its pairs' share. So a global batch holds the same mixed
 images and soft targets however many processes or micro-steps share it.
@@ -65,7 +65,8 @@ class StepMix:
         self, x: torch.Tensor, labels: torch.Tensor, epoch: int, step_in_epoch: int, micro: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.split
-        first = micro * (s.global_batch // s.grad_accum) + self.rank * s.micro_batch  # data/sampling.py's layout
+        # data/loading/sampling.py's layout
+        first = micro * (s.global_batch // s.grad_accum) + self.rank * s.micro_batch
         return self.mix(x, labels, self.num_classes, (self.seed, epoch, step_in_epoch), s.global_batch, first)
 
 

@@ -2,7 +2,7 @@
 
 A source is `InMemory` (uint8 N×3×H×W already decoded: synthetic, CIFAR-10 batches), `Files`
 (paths to decode: image folders) or `Items` (a map-style dataset of (image, label) items: a
-dataset function's, data/user.py, or a Hugging Face dataset's, data/hf.py). Loaders accept
+dataset function's, data/sources/user.py, or a Hugging Face dataset's, data/sources/hf.py). Loaders accept
 each; this module only finds, reads and splits them, and turns bad layouts into one-line errors.
 """
 
@@ -54,7 +54,7 @@ class Files:
 
 @dataclass
 class Items:
-    """Items of a map-style dataset, read only when a loader asks for one (data/user.py read_item)."""
+    """Items of a map-style dataset, read only when a loader asks for one (data/sources/user.py read_item)."""
 
     dataset: Any  # len(dataset), and dataset[i] → (image, label)
     indices: torch.Tensor  # int64: the dataset's items this source holds, in order (all, or a split's share)

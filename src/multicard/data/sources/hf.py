@@ -5,7 +5,7 @@ file, or a folder of them whose names say their split: train-*.parquet, validati
 Nothing is fetched from a hub. The image column (data.hf_image) is read undecoded, so JPEGs keep
 the loaders' reduced-scale decoding; the label column (data.hf_label) holds integers, its
 ClassLabel feature gives the class names. Items then go through the same reading as a dataset
-function's (data/user.py).
+function's (data/sources/user.py).
 """
 
 from __future__ import annotations

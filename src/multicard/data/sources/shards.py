@@ -5,7 +5,7 @@ bytes unchanged, and `<key>.cls` with its label) and one index, `index.json`, th
 sample which shard holds it, where its bytes start and how long they are, its label and its size
 (width, height: what a crop plan needs without opening the image). Samples are read by index,
 one `pread` each, and handed to the loaders as a dataset function's items are (encoded bytes,
-label: data/user.py), so decoding, augmentation and every guarantee of image folders are the
+label: data/sources/user.py), so decoding, augmentation and every guarantee of image folders are the
 same: training from shards ends with the parameters training from the packed folder ends with.
 
 On storage where each read is a round trip (NFS, Lustre, sshfs), a loader process keeps
@@ -53,7 +53,7 @@ def padded(size: int) -> int:
 class PackedSplit:
     """One split of an index: its shard files and, per sample, where its bytes are."""
 
-    shards: list[Path | str]  # files, or URLs of objects (data/remote_shards.py)
+    shards: list[Path | str]  # files, or URLs of objects (data/sources/remote_shards.py)
     shard_bytes: list[int]
     columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
     header: dict[str, list[str]]  # HEADER → one entry per sample

@@ -178,7 +178,7 @@ def _label(label: Any, num_classes: int, where: str) -> int:
 def to_picture(image: Any, where: str) -> Picture:
     """What the transforms take: encoded bytes stay encoded (decoded later, JPEGs at reduced scale
     where the crop allows); pixels become a uint8 (3, H, W) tensor."""
-    if isinstance(image, EncodedImage):  # packed shards: bytes with the header their index holds (data/shards.py)
+    if isinstance(image, EncodedImage):  # packed shards: bytes with the header their index holds (sources/shards.py)
         return image
     if isinstance(image, (bytes, bytearray, memoryview)):
         try:
