@@ -51,6 +51,7 @@ def test_unwritable_out_dir(tmp_path, capsys):
     assert "choose a writable out_dir" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the message on a machine without GPUs")
 def test_real_process_exit_code_and_single_line(tmp_path):
     result = cli("train", *TINY, f"out_dir={tmp_path}", "strategy=dp", timeout=120)

@@ -199,6 +199,7 @@ class _Payload:
         return (os.getcwd, ())
 
 
+@pytest.mark.slow
 def test_27_16_crafted_weights_are_refused_in_one_line_without_torchs_warning(tmp_path):
     evil = tmp_path / "evil.pt"
     evil.write_bytes(pickle.dumps({"w": _Payload()}, protocol=4))  # torch warns of protocols above 2

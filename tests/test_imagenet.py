@@ -135,6 +135,7 @@ def test_recipe_trains_8_steps_under_ddp2_on_cpu(small_imagenet, tmp_path, name)
 # ------------------------------------------------------------------ GPU decoding: choice and errors
 
 
+@pytest.mark.slow
 def test_decode_gpu_without_cuda_is_one_line_exit_2(tmp_path):
     result = cli("train", "data.decode=gpu", "devices=cpu", "data.train_size=64", f"out_dir={tmp_path}")
     assert result.returncode == 2

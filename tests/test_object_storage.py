@@ -124,6 +124,7 @@ def test_35_1_ddp2_workers_training_from_the_s3_server_equals_training_from_loca
         assert S3_SECRET not in text and s3_server["AWS_ACCESS_KEY_ID"] not in text
 
 
+@pytest.mark.slow
 def test_35_2_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_env, waits, tmp_path, capsys):
     assert main(["train", *TRAIN, "data.root=s3://no-such-bucket/pack", f"out_dir={tmp_path}"]) == 2
     said = "s3://no-such-bucket/pack does not exist (FileNotFoundError: The specified bucket does not exist); check"
@@ -143,6 +144,7 @@ def test_35_2_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_
     assert waits == []  # no retry: another attempt would find no more
 
 
+@pytest.mark.slow
 def test_35_3_wrong_credentials_are_one_line_at_once(uploaded, s3_env, waits, monkeypatch):
     endpoint = s3_env["AWS_ENDPOINT_URL"]
 
@@ -163,6 +165,7 @@ def test_35_3_wrong_credentials_are_one_line_at_once(uploaded, s3_env, waits, mo
     assert S3_SECRET not in message and waits == []
 
 
+@pytest.mark.slow
 def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_env, waits, monkeypatch):
     """The server down at the first attempt and up again during the first wait: the read succeeds.
     Down for good: one line after the bounded retries, 0.5 s, 1 s, 2 s apart."""
@@ -220,6 +223,7 @@ def test_35_5_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] >= 2  # the last good one, intact
 
 
+@pytest.mark.slow
 def test_35_6_an_unknown_scheme_or_a_missing_package_is_one_line_naming_what_to_install(tmp_path, monkeypatch,
                                                                                          capsys):  # fmt: skip
     pytest.importorskip("fsspec")
@@ -251,6 +255,7 @@ def test_35_7_credentials_in_a_url_are_refused_without_being_repeated():
     assert "hunter2" not in message and "AKIAEXAMPLE" not in message
 
 
+@pytest.mark.slow
 def test_35_8_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
     samples = read_splits(load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data, 0).train.dataset
     first = samples[0][0].data

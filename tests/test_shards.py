@@ -401,6 +401,7 @@ def copy(packed, tmp_path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_truncated_shard_is_one_line_naming_it(copy):
     shard = copy / "train-00002.tar"
     shard.write_bytes(shard.read_bytes()[:-1024])

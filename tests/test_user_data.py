@@ -290,6 +290,7 @@ def test_an_unknown_data_name_lists_the_kinds_of_data():
         load_config(None, ["data.name=foo"])
 
 
+@pytest.mark.slow
 def test_a_function_that_cannot_be_imported_is_one_line(photos):
     result = cli("train", *COMMON, "data.name=mcdata_nosuch:photos", "train.max_steps=1", env=env(photos))
     assert "data.name=mcdata_nosuch:photos: cannot import module mcdata_nosuch" in one_line_error(result)
