@@ -151,8 +151,9 @@ def test_two_hosts_over_a_network_match_one_host(two_hosts, one_host_reference, 
         for node, argv in enumerate(guide_commands(launcher))
     ]  # fmt: skip
     outputs = [proc.communicate(timeout=180) for proc in procs]
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0, 0], "\n".join(f"node {node} (exit {code}): {err}" for node, (code, (_, err)) in
+                                        enumerate(zip(codes, outputs, strict=True)))  # fmt: skip
     assert "strategy=ddp world_size=2" in "".join(out for out, _ in outputs)
     assert_bitwise_equal(final_params(tmp_path), one_host_reference)
 
