@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,10 +86,18 @@ class TwoHosts:
             sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", VALUES["IFNAME"])
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             sh("ip", "-n", ns, "link", "set", VALUES["IFNAME"], "up")
+            # As in a pod or a VM, the host name resolves to the node's own address, where gloo listens
+            # without net.socket_ifname (`ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts).
+            self.etc(ns).mkdir(parents=True, exist_ok=True)
+            (self.etc(ns) / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
 
-    def start(self, node: int, argv: list[str]) -> subprocess.Popen:
+    @staticmethod
+    def etc(ns: str) -> Path:
+        return Path("/etc/netns") / ns
+
+    def start(self, node: int, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[node], *argv], cwd=ROOT, env=clean_env(),
+            ["ip", "netns", "exec", self.names[node], *argv], cwd=ROOT, env=clean_env(env),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         self.procs.append(proc)
@@ -108,6 +118,7 @@ class TwoHosts:
             proc.wait()
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(self.etc(ns), ignore_errors=True)
         for end in self.veth:  # left in the root namespace if setup failed half-way
             subprocess.run(["ip", "link", "del", end], capture_output=True)
 
@@ -144,11 +155,31 @@ def python_argv(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
 
 
-@pytest.mark.parametrize("launcher", ["multicard train ", "torchrun "], ids=["builtin", "torchrun"])
+def cloud_environment(launcher: str, node: int) -> dict[str, str]:
+    """What a cloud launcher sets for node `node`'s one `multicard train` (no launcher flags): a Kubeflow
+    TrainJob's torch runtime (the PET_* variables torchrun reads for its flags), or a SkyPilot task."""
+    if launcher == "trainjob":
+        return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": VALUES["GPUS"], "PET_NODE_RANK": str(node),
+                "PET_MASTER_ADDR": VALUES["HOST0"], "PET_MASTER_PORT": "29400"}  # fmt: skip
+    return {"SKYPILOT_NODE_IPS": f"{VALUES['HOST0']}\n{VALUES['HOST1']}", "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NODE_RANK": str(node), "SKYPILOT_NUM_GPUS_PER_NODE": "0"}  # fmt: skip  # a CPU-only node
+
+
+def node_commands(launcher: str) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, environment) of node 0 and node 1: the guide's commands, or a cloud launcher's plain one."""
+    if launcher in ("trainjob", "skypilot"):
+        argv = ["multicard", "train", "--config", str(ROOT / "configs" / "demo.yaml")]
+        return [(argv, cloud_environment(launcher, node)) for node in range(2)]
+    return [(argv, {}) for argv in guide_commands(launcher)]
+
+
+@pytest.mark.parametrize(
+    "launcher", ["multicard train ", "torchrun ", "trainjob", "skypilot"], ids=["builtin", "torchrun", "trainjob", "skypilot"]
+)  # fmt: skip
 def test_two_hosts_over_a_network_match_one_host(two_hosts, one_host_reference, tmp_path, launcher):
     procs = [
-        two_hosts.start(node, python_argv([*argv, *SMALL, f"out_dir={tmp_path}"]))
-        for node, argv in enumerate(guide_commands(launcher))
+        two_hosts.start(node, python_argv([*argv, *SMALL, f"out_dir={tmp_path}"]), env)
+        for node, (argv, env) in enumerate(node_commands(launcher))
     ]  # fmt: skip
     outputs = [proc.communicate(timeout=180) for proc in procs]
     codes = [proc.returncode for proc in procs]
