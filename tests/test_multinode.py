@@ -174,7 +174,8 @@ def node_commands(launcher: str) -> list[tuple[list[str], dict[str, str]]]:
 
 
 @pytest.mark.parametrize(
-    "launcher", ["multicard train ", "torchrun ", "trainjob", "skypilot"], ids=["builtin", "torchrun", "trainjob", "skypilot"]
+    "launcher", ["multicard train ", "torchrun ", "trainjob", "skypilot"],
+    ids=["builtin", "torchrun", "trainjob", "skypilot"],
 )  # fmt: skip
 def test_two_hosts_over_a_network_match_one_host(two_hosts, one_host_reference, tmp_path, launcher):
     procs = [
