@@ -73,6 +73,38 @@ def label_mix(data, batch: int, epochs: int = 2) -> float:
     return statistics.mean(distances)
 
 
+def measure(cases: list[str], overrides: list[str], samples: int, repeats: int, batch: int) -> dict[str, list[float]]:
+    """img/s of each case (NAME:KEY=VALUE,...) per repeat, the repeats alternating between the cases;
+    one JSON line per measurement."""
+    ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
+    base = load_config(None, ["data.loader=workers", "data.num_workers=2", *overrides])
+    loaders = {}
+    for name, settings in map(parse_case, cases):
+        cfg = with_overrides(base, settings)
+        start = time.perf_counter()
+        data = loaders[name] = build_data(cfg.data, cfg.seed, BatchSplit(batch, 1, 1), ctx)
+        mix = round(label_mix(data, batch), 4)
+        print(json.dumps({"case": name, "start_up_s": round(time.perf_counter() - start, 2),
+                          "train": data.train.num_samples, "label_mix_tv": mix}))  # fmt: skip
+    rates: dict[str, list[float]] = {name: [] for name in loaders}
+    try:
+        for repeat in range(repeats):
+            for name, data in loaders.items():
+                seconds, n = take(data.train, repeat, samples)
+                rates[name].append(n / seconds)
+                print(json.dumps({"case": name, "repeat": repeat, "samples": n, "img_per_s": round(n / seconds)}))
+    finally:
+        for data in loaders.values():
+            data.close()
+    return rates
+
+
+def print_table(rates: dict[str, list[float]]) -> None:
+    print("| case | img/s median | min | max |\n|---|---|---|---|")
+    for name, r in rates.items():
+        print(f"| {name} | {statistics.median(r):,.0f} | {min(r):,.0f} | {max(r):,.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", action="append", required=True, metavar="NAME:KEY=VALUE[,KEY=VALUE]")
@@ -81,31 +113,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("overrides", nargs="*", help="settings of every case, e.g. data.num_workers=2")
     args = p.parse_args()
-    ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
-    base = load_config(None, ["data.loader=workers", "data.num_workers=2", *args.overrides])
-    loaders, sizes = {}, {}
-    for name, settings in map(parse_case, args.case):
-        cfg = with_overrides(base, settings)
-        start = time.perf_counter()
-        data = build_data(cfg.data, cfg.seed, BatchSplit(args.batch, 1, 1), ctx)
-        loaders[name] = data
-        sizes[name] = data.train.num_samples
-        mix = round(label_mix(data, args.batch), 4)
-        print(json.dumps({"case": name, "start_up_s": round(time.perf_counter() - start, 2), "train": sizes[name],
-                          "label_mix_tv": mix}))  # fmt: skip
-    rates: dict[str, list[float]] = {name: [] for name in loaders}
-    try:
-        for repeat in range(args.repeats):
-            for name, data in loaders.items():
-                seconds, n = take(data.train, repeat, args.samples)
-                rates[name].append(n / seconds)
-                print(json.dumps({"case": name, "repeat": repeat, "samples": n, "img_per_s": round(n / seconds)}))
-    finally:
-        for data in loaders.values():
-            data.close()
-    print("| case | img/s median | min | max |\n|---|---|---|---|")
-    for name, r in rates.items():
-        print(f"| {name} | {statistics.median(r):,.0f} | {min(r):,.0f} | {max(r):,.0f} |")
+    print_table(measure(args.case, args.overrides, args.samples, args.repeats, args.batch))
 
 
 if __name__ == "__main__":

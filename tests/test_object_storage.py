@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import (
@@ -266,3 +267,32 @@ def test_35_8_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
         os._exit(0 if same and samples.remote.fs()[0] is not parent and samples.remote._pid == os.getpid() else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-shards", "ranged"])
+def test_35_20_a_split_that_fits_is_read_in_whole_shards_once_per_process(packed, uploaded, s3_env, monkeypatch,
+                                                                          whole):  # fmt: skip
+    """A request costs the loader ~4 ms of CPU, and a shuffled batch holds no neighbours: a split of at most
+    WHOLE_SPLIT_BYTES is read in whole shards (pieces of PIECE_BYTES), once per process; a larger one by
+    ranged reads, one per run of neighbours. The same bytes as from local disk either way."""
+    from multicard.data.sources import remote_shards
+
+    monkeypatch.setattr(remote_shards, "WHOLE_SPLIT_BYTES", remote_shards.WHOLE_SPLIT_BYTES if whole else 0)
+    monkeypatch.setattr(remote_shards, "PIECE_BYTES", 4096)  # several pieces per shard
+    shards = load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data
+    remote = read_splits(shards, 0).train.dataset
+    local = read_splits(load_config(None, ["data.name=shards", f"data.root={packed}"]).data, 0).train.dataset
+    requests: list[tuple] = []
+    read = remote.remote.read
+    monkeypatch.setattr(remote.remote, "read", lambda *args: requests.append(args) or read(*args))
+    batch = [int(i) for i in np.random.default_rng(0).permutation(len(local))[:64]]
+    for _ in range(2):  # a second batch of the same samples: whole shards are not read again
+        remote.prefetch(batch)
+        assert [remote[i][0].data for i in batch] == [local[i][0].data for i in batch]
+    touched = {int(local.shard_of[i]) for i in batch}
+    if whole:
+        pieces = sum(-(-local.split.shard_bytes[s] // 4096) for s in touched)
+        assert len(requests) == pieces and {name for name, *_ in requests} == {remote.names[s] for s in touched}
+    else:
+        assert len(requests) == 2 * len(remote._runs(batch))  # every batch read again
