@@ -36,6 +36,7 @@ from pathlib import Path
 
 from shared_storage import measure, print_table  # this folder's: the same measurement as for a mount
 
+from multicard.base.errors import UserError
 from multicard.data.sources.shards import read_index
 
 SHAREDFS = Path(os.environ.get("MULTICARD_SHAREDFS", "/work/shared/tools/sharedfs.sh"))
@@ -157,8 +158,12 @@ def main() -> None:
             p.error("--compare needs root, tc and sshfs (apt-get install -y openssh-server sshfs iproute2)")
         compare(args)
     else:
-        print_table(measure([f"url:data.name=shards,data.root={args.url}"], args.overrides, args.samples,
-                            args.repeats, args.batch))  # fmt: skip
+        try:
+            rates = measure([f"url:data.name=shards,data.root={args.url}"], args.overrides, args.samples,
+                            args.repeats, args.batch)  # fmt: skip
+        except UserError as exc:  # a wrong URL, missing credentials: training's own one line
+            sys.exit(f"object_storage: error: {exc}")
+        print_table(rates)
 
 
 if __name__ == "__main__":
