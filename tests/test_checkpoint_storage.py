@@ -1,0 +1,234 @@
+"""Issue 35, checkpoints on object storage (`checkpoint.dir=s3://…`), against a real S3-protocol server
+on loopback (conftest.s3_server, moto's): a checkpoint exists only once its commit object, written last,
+says so; uploads go on in the background and a stop waits for them; every failure of storage is one line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import S3_SECRET, TINY, max_rel_diff, run_here, s3_environment, slowed, start, wait_for
+from multicard.base import storage
+from multicard.base.config import Config, load_config, to_dict
+from multicard.base.errors import UserError
+from multicard.checkpoint import Checkpointer, RunFacts, read_checkpoint, remote
+from multicard.checkpoint.checkpointer import newest_readable
+from multicard.checkpoint.remote import RemoteFolder
+from multicard.cli.main import main
+
+BUCKET = "checkpoints"
+# Two epochs of 16 steps under a constant LR, in float64 without BatchNorm (so that a run resumed at
+# another world size ends as the uninterrupted one, within 1e-10), a checkpoint every 5 steps.
+EXACT = [*TINY, "data.train_size=512", "train.epochs=2", "sched.name=constant", "checkpoint.every_steps=5",
+         "data.val_size=64", "precision=fp64", "model.kwargs={norm: none}"]  # fmt: skip
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("multicard: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server) -> str:
+    """The server's bucket for checkpoints, made once."""
+    import fsspec
+
+    fs = fsspec.filesystem(
+        "s3", key=s3_server["AWS_ACCESS_KEY_ID"], secret=S3_SECRET, skip_instance_cache=True,
+        client_kwargs={"endpoint_url": s3_server["AWS_ENDPOINT_URL"]},
+    )  # fmt: skip
+    fs.mkdir(BUCKET)
+    return BUCKET
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> dict[str, str]:
+    """This process's environment pointed at the server, for in-process runs and reads."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The backoff waits of storage's retries, recorded instead of slept."""
+    recorded: list[float] = []
+    monkeypatch.setattr(storage, "sleep", recorded.append)
+    return recorded
+
+
+def committed_steps(url: str) -> list[int]:
+    return [step for step, _ in RemoteFolder(url).committed()]
+
+
+# ------------------------------------------------------------------ a stop, and resume at another world size
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_at_another_world_size_as_uninterrupted(
+        bucket, s3_env, tmp_path):  # fmt: skip
+    url = f"s3://{bucket}/sigterm/checkpoints"
+    reference = tmp_path / "reference"
+    run_here("train", *EXACT, f"out_dir={reference}")
+    args = ("--nproc-per-node", "2", *EXACT, "data.loader=workers", "data.num_workers=1", f"checkpoint.dir={url}")
+    proc = start("train", *args, f"out_dir={tmp_path / 'run'}", env={**s3_env, **slowed(150)})
+    wait_for(lambda: bool(committed_steps(url)), what="the first committed checkpoint")
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    stopped = committed_steps(url)[0]
+    assert 5 < stopped < 32  # written at the stop, mid-run
+    said = [line for line in err.splitlines() if "stopped by SIGTERM" in line][0]
+    assert f"checkpoint {url}/step-{stopped:09d}.pt written" in said and "(the save took " in said, said
+    assert "a save (a stop's too) takes about" in out  # the start-up estimate
+    resumed = run_here("train", *EXACT, f"checkpoint.dir={url}", f"out_dir={tmp_path / 'run'}")
+    assert f"resumed from {url}/step-{stopped:09d}.pt" in resumed
+    a, b = read_checkpoint(f"{url}/last")["model"], read_checkpoint(reference / "checkpoints" / "last.pt")["model"]
+    assert max_rel_diff(a, b) < 1e-10
+    assert not (tmp_path / "run" / "checkpoints").exists()  # out_dir keeps the logs, the bucket the checkpoints
+    for text in (out + err + resumed, (tmp_path / "run" / "config.yaml").read_text()):
+        assert S3_SECRET not in text
+
+
+# ------------------------------------------------------------------ kill -9 while uploading
+
+
+def _writer_process(url: str, kill_at: int | None, count: Path) -> None:
+    """In a forked child: a Checkpointer on a tiny state saves steps 1..4 to `url` (keep_last 2, best at
+    step 2), each upload in the background; with `kill_at`, SIGKILL at that request to the storage."""
+    requests = [0]
+    attempt = storage.Remote.attempt
+
+    def counted(self, *args, **kwargs):
+        requests[0] += 1
+        if requests[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return attempt(self, *args, **kwargs)
+
+    storage.Remote.attempt = counted
+    ctx = SimpleNamespace(is_main=True, distributed=False, world_size=1, barrier=lambda: None)
+    strategy = SimpleNamespace(ctx=ctx, checkpoint_format="file", barrier=lambda: None, broadcast_object=lambda o: o)
+    options = load_config(None, ["checkpoint.keep_last=2", f"checkpoint.dir={url}"]).checkpoint
+    checkpointer = Checkpointer(Path("unused"), strategy, options, RunFacts(to_dict(Config()), [], 100, 1))
+    for step in range(1, 5):
+        position = SimpleNamespace(global_step=step, epoch=0, step_in_epoch=step)
+        state = {"model": {"w": torch.full((256,), float(step))}, "position": {"global_step": step}}
+        loop = SimpleNamespace(set_phase=lambda phase: None, position=position, state_dict=lambda whole, s=state: s)
+        checkpointer.save(loop, best=step == 2)
+    checkpointer.finish_writing()
+    count.write_text(str(requests[0]))
+
+
+def _forked(url: str, kill_at: int | None, count: Path) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _writer_process(url, kill_at, count)
+        finally:
+            os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.slow
+def test_35_10_killing_the_uploader_at_random_requests_leaves_the_newest_committed_checkpoint_whole(
+        bucket, s3_env, tmp_path):  # fmt: skip
+    count = tmp_path / "requests"
+    whole = f"s3://{bucket}/kill/whole"
+    assert _forked(whole, None, count) == 0
+    total = int(count.read_text())
+    assert committed_steps(whole) == [4, 3, 2]  # keep_last 2, and best
+    points = sorted(random.Random(35).sample(range(1, total + 1), 10))
+    for kill_at in points:
+        url = f"s3://{bucket}/kill/at-{kill_at}"
+        assert _forked(url, kill_at, count) == -signal.SIGKILL
+        committed = committed_steps(url)
+        newest, meta, skipped = newest_readable(url)
+        if not committed:
+            assert newest is None, kill_at
+            continue
+        assert newest == f"{url}/step-{committed[0]:09d}.pt" and meta["step"] == committed[0], kill_at
+        assert torch.equal(meta["model"]["w"], torch.full((256,), float(committed[0]))), kill_at  # whole
+        assert all(f"step-{committed[0]:09d}" not in line for line in skipped)
+
+
+# ------------------------------------------------------------------ one-line errors
+
+
+@pytest.mark.slow
+def test_35_11_a_missing_bucket_or_an_unknown_scheme_for_checkpoint_dir_is_one_line(s3_env, waits, tmp_path, capsys):
+    assert main(["train", *TINY, "checkpoint.dir=s3://no-such-bucket/ck", f"out_dir={tmp_path / 'o'}"]) == 2
+    said = "s3://no-such-bucket/ck does not exist (FileNotFoundError: The specified bucket does not exist); check"
+    assert said in one_line(capsys.readouterr().err) and waits == []
+    os.chdir(tmp_path)
+    assert main(["train", *TINY, "checkpoint.dir=nosuch://b/ck"]) == 2
+    said = "checkpoint.dir=nosuch://b/ck: nosuch:// is no storage protocol fsspec knows"
+    assert said in one_line(capsys.readouterr().err)
+    assert main(["train", *TINY, "out_dir=s3://b/run"]) == 2
+    said = "out_dir=s3://b/run is a URL (s3://); out_dir holds the run's logs and stays local: give a local out_dir "
+    assert said + "and put the checkpoints on object storage with checkpoint.dir=s3://b/run/checkpoints" in one_line(
+        capsys.readouterr().err
+    )
+    assert main(["eval", "--checkpoint", "nosuch://b/ck/last"]) == 2
+    assert "--checkpoint=nosuch://b/ck/last: nosuch:// is no storage protocol" in one_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []  # no folder named after a scheme; a refused run leaves none
+
+
+@pytest.mark.slow
+def test_35_12_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_keeps_the_last_commit(
+        bucket, s3_env, waits, tmp_path, monkeypatch, capsys):  # fmt: skip
+    from test_object_storage import Server
+
+    server = Server()
+    monkeypatch.setattr(remote, "_REMOTES", {})  # sessions to the session's server
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_environment(server.port)["AWS_ENDPOINT_URL"])
+    url = f"s3://{bucket}/stopping/checkpoints"
+    upload = RemoteFolder.upload
+
+    def stop_at_the_second_checkpoint(self, name, data):
+        if name == "step-000000006.pt":
+            server.stop()
+        return upload(self, name, data)
+
+    monkeypatch.setattr(RemoteFolder, "upload", stop_at_the_second_checkpoint)
+    code = main(["train", *TINY, "data.train_size=256", "checkpoint.every_steps=3", f"checkpoint.dir={url}",
+                 f"out_dir={tmp_path}"])  # fmt: skip
+    assert code == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"cannot write {url}/step-000000006.pt (" in line and "after 4 attempt(s) over 3.5 s" in line, line
+    assert waits == [0.5, 1.0, 2.0]
+    monkeypatch.setattr(remote, "_REMOTES", {})  # sessions to the stopped server
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["AWS_ENDPOINT_URL"])  # the session's server: the same buckets
+    assert committed_steps(url) == [3] and read_checkpoint(f"{url}/last")["step"] == 3  # intact
+
+
+@pytest.mark.slow
+def test_35_13_eval_export_and_weights_read_committed_checkpoints_by_url(bucket, s3_env, tmp_path, capsys):
+    url = f"s3://{bucket}/readers/checkpoints"
+    run_here("train", *TINY, "data.train_size=128", "data.val_size=32", f"checkpoint.dir={url}", f"out_dir={tmp_path}")
+    assert main(["eval", "--checkpoint", f"{url}/last", "--json"]) == 0
+    assert main(["export", "--checkpoint", f"{url}/best.pt", "--out", str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(exported[k], v) for k, v in read_checkpoint(f"{url}/step-000000004.pt")["model"].items())
+    RemoteFolder(url).upload("model.pt", (tmp_path / "model.pt").read_bytes())
+    RemoteFolder(url).upload("step-000000009.pt", (tmp_path / "model.pt").read_bytes())  # never committed
+    capsys.readouterr()
+    for reader in (["eval", "--checkpoint", f"{url}/step-000000009.pt"],
+                   ["train", *TINY, f"train.resume={url}/step-000000009.pt", f"out_dir={tmp_path / 'x'}"]):  # fmt: skip
+        assert main(reader) == 2
+        said = f"{url}/step-000000009.pt is not a committed checkpoint (no step-000000009.commit: its upload did not"
+        assert said in one_line(capsys.readouterr().err)
+    assert main(["train", *TINY, "data.train_size=128", "data.val_size=32", f"model.weights={url}/model.pt",
+                 "train.max_steps=1", f"out_dir={tmp_path / 'tuned'}"]) == 0  # fmt: skip
+    assert re.search(rf"model.weights: loaded (\d+) of \1 tensors from {url}/model.pt", capsys.readouterr().out)
+    with pytest.raises(UserError, match=f"--checkpoint={url} is a folder of checkpoints; give one of them"):
+        read_checkpoint(url)
