@@ -33,6 +33,7 @@ from multicard.checkpoint.remote import (
     RemoteFolder,
     checkpoint_folder,
     committed_target,
+    downloaded,
     is_remote,
     readable,
     step_of,
@@ -115,11 +116,14 @@ def _newest_committed(url: str) -> tuple[str | None, dict[str, Any] | None, list
     """newest_readable of a folder on object storage: its newest committed checkpoint (a commit object
     is written once the upload is whole), and a warning for each newer one not committed."""
     store = RemoteFolder(url)
-    skipped = [f"skipping {u}: it has no commit object (a run ended while uploading it)" for u in store.uncommitted()]
-    newest = store.newest()
-    if newest is None:
+    names = store.names()  # one listing
+    cut_short = store.uncommitted(names)
+    skipped = [f"skipping {u}: it has no commit object (a run ended while uploading it)" for u in cut_short]
+    committed = store.committed(names)
+    if not committed:
         return None, None, skipped
-    with readable(newest) as local:
+    newest = committed[0][1]
+    with downloaded(newest) as local:
         meta = format_of(local).read_meta(local)
         check_format(meta, local)
     return newest, meta, skipped

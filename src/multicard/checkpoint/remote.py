@@ -45,38 +45,48 @@ def step_of(name: str) -> int | None:
     return int(digits) if name.startswith(PREFIX) and digits.isdigit() else None
 
 
-def _names(fs: Any, root: str) -> list[str]:
-    """The names directly under `root`: none for a folder not yet written, but a missing bucket is said."""
-    fs.invalidate_cache(root)
+def _names(fs: Any, path: str) -> list[str]:
+    """The names directly under `path`: none for a folder not yet written, but a missing bucket is said."""
+    fs.invalidate_cache(path)
     try:
-        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
     except FileNotFoundError:
-        fs.ls(root.split("/", 1)[0], detail=False)  # the bucket: FileNotFoundError if it is missing
+        fs.ls(path.split("/", 1)[0], detail=False)  # the bucket: FileNotFoundError if it is missing
         return []
 
 
-_REMOTES: dict[tuple[str, int], Remote] = {}  # (folder URL, pid) → its session: opening one takes ~0.3 s
+_REMOTES: dict[tuple[str, int], Remote] = {}  # (bucket URL, pid) → its session: opening one takes ~0.3 s
 
 
 class RemoteFolder:
     """A folder of checkpoints on object storage: which are committed, and the requests that write,
-    commit, point at and remove them (each retried, failing in one line). One session per folder and
+    commit, point at and remove them (each retried, failing in one line). One session per bucket and
     process (a forked process opens its own: storage.Remote)."""
 
     def __init__(self, url: str) -> None:
-        key = (url.rstrip("/"), os.getpid())
+        self.url = url.rstrip("/")
+        scheme, rest = self.url.split("://", 1)
+        bucket, _, self.prefix = rest.partition("/")
+        key = (f"{scheme}://{bucket}", os.getpid())
         if key not in _REMOTES:
-            _REMOTES[key] = Remote(url, RETRIES)
+            _REMOTES[key] = Remote(key[0], RETRIES)
         self.remote = _REMOTES[key]
-        self.url = self.remote.url
+
+    def join(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def path(self, name: str = "") -> tuple[Any, str]:
+        """The session's filesystem, and the path in it of `name` in this folder (of the folder without)."""
+        fs, root = self.remote.fs()
+        return fs, "/".join(part for part in (root, self.prefix, name) if part)
 
     def _call(self, name: str, action: str, request: Any) -> Any:
-        fs, root = self.remote.fs()
-        return self.remote.attempt(self.remote.join(name), lambda: request(fs, f"{root}/{name}"), action)
+        fs, path = self.path(name)
+        return self.remote.attempt(self.join(name), lambda: request(fs, path), action)
 
     def names(self) -> list[str]:
-        fs, root = self.remote.fs()
-        return self.remote.attempt(self.url, lambda: _names(fs, root))
+        fs, path = self.path()
+        return self.remote.attempt(self.url, lambda: _names(fs, path))
 
     def committed(self, names: list[str] | None = None) -> list[tuple[int, str]]:
         """(step, URL) of every committed checkpoint, newest first."""
@@ -87,15 +97,15 @@ class RemoteFolder:
             step = step_of(name)
             if step is not None and name.endswith(COMMIT):
                 stem = name.removesuffix(COMMIT)
-                found.append((step, self.remote.join(f"{stem}.pt" if f"{stem}.pt" in present else stem)))
+                found.append((step, self.join(f"{stem}.pt" if f"{stem}.pt" in present else stem)))
         return sorted(found, reverse=True)
 
-    def uncommitted(self) -> list[str]:
+    def uncommitted(self, names: list[str] | None = None) -> list[str]:
         """URLs of step checkpoints newer than the newest committed one, without a commit (an upload cut short)."""
-        names = self.names()
+        names = self.names() if names is None else names
         newest = max((step for step, _ in self.committed(names)), default=-1)
         return [
-            self.remote.join(n) for n in sorted(names, reverse=True)
+            self.join(n) for n in sorted(names, reverse=True)
             if not n.endswith(COMMIT) and (step_of(n) or -1) > newest
         ]  # fmt: skip
 
@@ -106,10 +116,10 @@ class RemoteFolder:
     def best(self) -> str | None:
         if BEST not in self.names():
             return None
-        return self.remote.join(self.read(BEST).decode().strip())
+        return self.join(self.read(BEST).decode().strip())
 
     def read(self, name: str) -> bytes:
-        return self.remote.read(name)
+        return self._call(name, "read", lambda fs, path: fs.cat_file(path))
 
     def upload(self, name: str, data: bytes) -> None:
         self._call(name, "write", lambda fs, path: fs.pipe_file(path, data))
@@ -129,7 +139,7 @@ class RemoteFolder:
         """The commit object first (no reader sees the checkpoint from then on), then its objects."""
         name = url.rsplit("/", 1)[-1]
         self._call(f"{name.removesuffix('.pt')}{COMMIT}", "remove", lambda fs, path: fs.rm(path))
-        self._call(name, "remove", lambda fs, path: fs.rm(path, recursive=True) if fs.exists(path) else None)
+        self._call(name, "remove", lambda fs, path: fs.rm(path, recursive=not name.endswith(".pt")))
 
     def is_committed(self, url: str) -> bool:
         return url in [u for _, u in self.committed()]
@@ -170,9 +180,9 @@ def downloaded(url: str) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(prefix="multicard-checkpoint-"))
     local = scratch / name
     try:
-        fs, root = folder.remote.fs()
-        fs.invalidate_cache(root)  # what another process uploaded since this one listed the folder
-        folder.remote.attempt(url, lambda: fs.get(f"{root}/{name}", str(local), recursive=True))
+        fs, path = folder.path(name)
+        fs.invalidate_cache(path)  # what another process uploaded since this one listed the folder
+        folder.remote.attempt(url, lambda: fs.get(path, str(local), recursive=True))
         try:
             yield local
         except UserError as exc:

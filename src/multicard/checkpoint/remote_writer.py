@@ -74,7 +74,7 @@ class RemoteWriter:
         self.name, self.whole_state, self.needs_template = fmt.name, fmt.whole_state, fmt.needs_template
 
     def path_for(self, folder: Any, step: int) -> str:
-        return self.store.remote.join(f"{PREFIX}{step:09d}{'.pt' if self.fmt.name == 'file' else ''}")
+        return self.store.join(f"{PREFIX}{step:09d}{'.pt' if self.fmt.name == 'file' else ''}")
 
     def write(self, url: str, state: dict[str, Any], ctx: ProcessContext, background: Any = None) -> Callable[[], None]:
         if self.fmt.name == "file":
