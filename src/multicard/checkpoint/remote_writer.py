@@ -22,7 +22,7 @@ import torch
 from multicard.base.errors import UserError
 from multicard.base.storage import storage_error
 from multicard.checkpoint.remote import PREFIX, RemoteFolder
-from multicard.checkpoint.sharded import COMPLETE, TENSORS, TRAIN_STATE, _dcp
+from multicard.checkpoint.sharded import COMPLETE, TENSORS, TRAIN_STATE, dcp_api
 from multicard.engine.loop import Loop
 from multicard.runtime.process_group import ProcessContext
 
@@ -99,7 +99,7 @@ class RemoteWriter:
         if ctx.is_main:
             self.store.upload(f"{name}/{TRAIN_STATE}", serialised({k: v for k, v in state.items() if k not in TENSORS}))
         tensors = {k: state[k] for k in TENSORS if k in state}
-        dcp = _dcp()
+        dcp = dcp_api()
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         with _said(url):
             if background is None:
@@ -149,7 +149,7 @@ class _said:
         return None
 
     def __exit__(self, kind: Any, exc: BaseException | None, trace: Any) -> bool:
-        if exc is None or isinstance(exc, UserError) or not isinstance(exc, (_dcp().CheckpointException, OSError)):
+        if exc is None or isinstance(exc, UserError) or not isinstance(exc, (dcp_api().CheckpointException, OSError)):
             return False
         error = storage_error(self.url, exc, 1, 0.0, "write")
         error.every_rank = True  # then rank 0 alone says it (exits.report_error)
