@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from multicard.base.errors import UserError
 from multicard.checkpoint import Checkpointer, RunFacts, read_checkpoint, remote
 from multicard.checkpoint.checkpointer import newest_readable
 from multicard.checkpoint.remote import RemoteFolder
+from multicard.checkpoint.remote_writer import Upload
 from multicard.cli.main import main
 
 BUCKET = "checkpoints"
@@ -249,3 +251,19 @@ def test_35_13_eval_export_and_weights_read_committed_checkpoints_by_url(bucket,
     assert re.search(rf"model.weights: loaded (\d+) of \1 tensors from {url}/model.pt", capsys.readouterr().out)
     with pytest.raises(UserError, match=f"--checkpoint={url} is a folder of checkpoints; give one of them"):
         read_checkpoint(url)
+
+
+def test_35_14_an_upload_past_stop_timeout_s_is_one_line():
+    """The next save, a stop and the run's end wait for the upload in progress at most checkpoint.stop_timeout_s."""
+    release = threading.Event()
+    upload = Upload(release.wait, "s3://b/run/step-000000006.pt", wait_s=0.05)
+    try:
+        with pytest.raises(UserError) as late:
+            upload.wait()
+    finally:
+        release.set()
+    assert str(late.value) == (
+        "the upload of s3://b/run/step-000000006.pt took longer than checkpoint.stop_timeout_s=0.05 s; raise it, or "
+        "check the link to the storage (the last committed checkpoint is intact)"
+    )
+    upload.wait()  # done once released: nothing raised
