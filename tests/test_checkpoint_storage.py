@@ -109,11 +109,21 @@ def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_at_another_world_
     a, b = read_checkpoint(f"{url}/last")["model"], read_checkpoint(reference / "checkpoints" / "last.pt")["model"]
     assert max_rel_diff(a, b) < 1e-10
     assert not (tmp_path / "run" / "checkpoints").exists()  # out_dir keeps the logs, the bucket the checkpoints
-    for text in (out + err + resumed, (tmp_path / "run" / "config.yaml").read_text()):
+    for text in (out + err + resumed, *((tmp_path / "run" / name).read_text() for name in ("config.yaml",
+                                                                                           "metrics.jsonl"))):
         assert S3_SECRET not in text
 
 
 # ------------------------------------------------------------------ kill -9 while uploading
+
+
+def _checkpointer(url: str, said: list[str] | None = None) -> Checkpointer:
+    """The Checkpointer of one process without a process group, keep_last 2, on checkpoint.dir=url."""
+    ctx = SimpleNamespace(is_main=True, distributed=False, world_size=1, barrier=lambda: None)
+    strategy = SimpleNamespace(ctx=ctx, checkpoint_format="file", barrier=lambda: None, broadcast_object=lambda o: o)
+    options = load_config(None, ["checkpoint.keep_last=2", f"checkpoint.dir={url}"]).checkpoint
+    say = said.append if said is not None else print
+    return Checkpointer(Path("unused"), strategy, options, RunFacts(to_dict(Config()), [], 100, 1), say)
 
 
 def _writer_process(url: str, kill_at: int | None, count: Path) -> None:
@@ -129,10 +139,7 @@ def _writer_process(url: str, kill_at: int | None, count: Path) -> None:
         return attempt(self, *args, **kwargs)
 
     storage.Remote.attempt = counted
-    ctx = SimpleNamespace(is_main=True, distributed=False, world_size=1, barrier=lambda: None)
-    strategy = SimpleNamespace(ctx=ctx, checkpoint_format="file", barrier=lambda: None, broadcast_object=lambda o: o)
-    options = load_config(None, ["checkpoint.keep_last=2", f"checkpoint.dir={url}"]).checkpoint
-    checkpointer = Checkpointer(Path("unused"), strategy, options, RunFacts(to_dict(Config()), [], 100, 1))
+    checkpointer = _checkpointer(url)
     for step in range(1, 5):
         position = SimpleNamespace(global_step=step, epoch=0, step_in_epoch=step)
         state = {"model": {"w": torch.full((256,), float(step))}, "position": {"global_step": step}}
@@ -178,6 +185,9 @@ def test_35_10_killing_the_uploader_at_random_requests_leaves_the_newest_committ
         assert newest == f"{url}/step-{step:09d}.pt" and committed_steps(url)[0] == step, kill_at
         assert torch.equal(meta["model"]["w"], torch.full((256,), float(step))), kill_at  # whole, never partial
         assert all(f"step-{step:09d}" not in line for line in skipped)
+        said: list[str] = []
+        assert _checkpointer(url, said).choose("auto") == newest  # a resumed run: leftovers removed, and said
+        assert not RemoteFolder(url).uncommitted() and all(" has no commit object" in line for line in said)
 
 
 # ------------------------------------------------------------------ one-line errors

@@ -117,12 +117,12 @@ def _newest_committed(url: str) -> tuple[str | None, dict[str, Any] | None, list
     is written once the upload is whole), and a warning for each newer one not committed."""
     store = RemoteFolder(url)
     names = store.names()  # one listing
-    cut_short = store.uncommitted(names)
-    skipped = [f"skipping {u}: it has no commit object (a run ended while uploading it)" for u in cut_short]
     committed = store.committed(names)
-    if not committed:
+    step, newest = committed[0] if committed else (-1, None)
+    cut_short = [u for u in store.uncommitted(names) if step_of(u.rsplit("/", 1)[-1]) > step]  # newer ones
+    skipped = [f"skipping {u}: it has no commit object (a run ended while uploading it)" for u in cut_short]
+    if newest is None:
         return None, None, skipped
-    newest = committed[0][1]
     with downloaded(newest) as local:
         meta = format_of(local).read_meta(local)
         check_format(meta, local)
@@ -232,8 +232,12 @@ class Checkpointer(Callback):
 
     def _choose_remote(self, mode: str) -> str | None:
         """choose() of a folder on object storage: auto takes the newest committed checkpoint (its
-        commit object is written once the upload is whole; an uncommitted one is passed over, said)."""
+        commit object is written once the upload is whole); uncommitted ones are removed, and said."""
         chosen: str | None = None
+        store = self.writer.store
+        for url in store.uncommitted() if self.ctx.is_main else []:
+            store.discard(url)
+            self.say(f"removed {url}: a run ended while uploading that checkpoint (it has no commit object)")
         if self.ctx.is_main and mode == "never":
             old = self.writer.steps(self.folder)
             for _, url in old:
@@ -241,9 +245,7 @@ class Checkpointer(Callback):
             if old:
                 self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
         elif self.ctx.is_main and mode == "auto":
-            for line in self.writer.store.uncommitted():
-                self.say(f"warning: skipping {line}: it has no commit object (a run ended while uploading it)")
-            chosen = self.writer.store.newest()
+            chosen = store.newest()
         elif mode not in ("auto", "never"):
             chosen = str(resume_path(mode))
         return self.strategy.broadcast_object(chosen)

@@ -101,12 +101,12 @@ class RemoteFolder:
         return sorted(found, reverse=True)
 
     def uncommitted(self, names: list[str] | None = None) -> list[str]:
-        """URLs of step checkpoints newer than the newest committed one, without a commit (an upload cut short)."""
+        """URLs of step checkpoints without a commit object (an upload cut short), newest first."""
         names = self.names() if names is None else names
-        newest = max((step for step, _ in self.committed(names)), default=-1)
+        committed = {url for _, url in self.committed(names)}
         return [
             self.join(n) for n in sorted(names, reverse=True)
-            if not n.endswith(COMMIT) and (step_of(n) or -1) > newest
+            if not n.endswith(COMMIT) and step_of(n) is not None and self.join(n) not in committed
         ]  # fmt: skip
 
     def newest(self) -> str | None:
@@ -114,9 +114,12 @@ class RemoteFolder:
         return committed[0][1] if committed else None
 
     def best(self) -> str | None:
-        if BEST not in self.names():
+        """The checkpoint `best` names, if it is committed (train.resume=never may have removed it)."""
+        names = self.names()
+        if BEST not in names:
             return None
-        return self.join(self.read(BEST).decode().strip())
+        url = self.join(self.read(BEST).decode().strip())
+        return url if url in [u for _, u in self.committed(names)] else None
 
     def read(self, name: str) -> bytes:
         return self._call(name, "read", lambda fs, path: fs.cat_file(path))
@@ -139,6 +142,11 @@ class RemoteFolder:
         """The commit object first (no reader sees the checkpoint from then on), then its objects."""
         name = url.rsplit("/", 1)[-1]
         self._call(f"{name.removesuffix('.pt')}{COMMIT}", "remove", lambda fs, path: fs.rm(path))
+        self.discard(url)
+
+    def discard(self, url: str) -> None:
+        """An uncommitted checkpoint's objects (no reader sees them: there is no commit object to remove)."""
+        name = url.rsplit("/", 1)[-1]
         self._call(name, "remove", lambda fs, path: fs.rm(path, recursive=not name.endswith(".pt")))
 
     def is_committed(self, url: str) -> bool:
