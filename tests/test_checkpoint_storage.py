@@ -277,3 +277,17 @@ def test_35_14_an_upload_past_stop_timeout_s_is_one_line():
         "check the link to the storage (the last committed checkpoint is intact)"
     )
     upload.wait()  # done once released: nothing raised
+
+
+@pytest.mark.slow
+def test_35_15_sharded_checkpoints_go_through_dcps_fsspec_storage_and_commit_last(bucket, s3_env, tmp_path):
+    url = f"s3://{bucket}/sharded/checkpoints"
+    args = [*TINY, "data.train_size=64", "data.val_size=32", "checkpoint.format=sharded", "checkpoint.every_steps=1",
+            "checkpoint.keep_last=1", f"checkpoint.dir={url}", f"out_dir={tmp_path}"]  # fmt: skip
+    run_here("train", *args, "train.max_steps=1")
+    resumed = run_here("train", *args)
+    assert f"resumed from {url}/step-000000001: epoch 0, step 1 of 2" in resumed
+    assert committed_steps(url) == [2]  # keep_last 1: step 1 pruned, its commit object first
+    names = sorted(RemoteFolder(f"{url}/step-000000002").names())
+    assert names == [".metadata", "COMPLETE", "__0_0.distcp", "train_state.pt"], names
+    assert read_checkpoint(f"{url}/last")["step"] == 2
