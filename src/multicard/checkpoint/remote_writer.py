@@ -27,6 +27,10 @@ from multicard.engine.loop import Loop
 from multicard.runtime.process_group import ProcessContext
 
 PROBE_BYTES = 2**20  # the test write that measures the link to the storage at start-up
+# DCP's writer says on every file that an object store's stream cannot be fsync'ed: there, the commit
+# object written last is what makes a checkpoint durable. Background writes warn on their own thread, so
+# the filter is the process's.
+warnings.filterwarnings("ignore", "fsync not supported for this stream", UserWarning)
 
 
 def serialised(state: dict[str, Any]) -> bytes:
