@@ -109,8 +109,10 @@ def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_at_another_world_
     a, b = read_checkpoint(f"{url}/last")["model"], read_checkpoint(reference / "checkpoints" / "last.pt")["model"]
     assert max_rel_diff(a, b) < 1e-10
     assert not (tmp_path / "run" / "checkpoints").exists()  # out_dir keeps the logs, the bucket the checkpoints
-    for text in (out + err + resumed, *((tmp_path / "run" / name).read_text() for name in ("config.yaml",
-                                                                                           "metrics.jsonl"))):
+    for text in (
+        out + err + resumed,
+        *((tmp_path / "run" / name).read_text() for name in ("config.yaml", "metrics.jsonl")),
+    ):
         assert S3_SECRET not in text
 
 

@@ -74,8 +74,9 @@ class Run:
     is_main = property(lambda self: self.runtime.ctx.is_main, doc="rank 0, which writes the run's files")
     out_dir = property(lambda self: self.runtime.out_dir)
     # checkpoint.dir (a path, or a URL as text), else out_dir/checkpoints
-    checkpoint_dir = property(lambda self: checkpoint_folder(self.runtime.out_dir / "checkpoints",
-                                                             self.runtime.cfg.checkpoint.dir))
+    checkpoint_dir = property(
+        lambda self: checkpoint_folder(self.runtime.out_dir / "checkpoints", self.runtime.cfg.checkpoint.dir)
+    )
     strategy = property(lambda self: self.runtime.strategy.name, doc="single | dp | ddp | fsdp, as resolved")
 
     @property
