@@ -218,6 +218,9 @@ class CheckpointConfig:
     # A signal to multicard's launcher: seconds the workers get to write the stop's checkpoint and
     # exit before they are killed (torch's agent alone would give 30)
     stop_timeout_s: float = 300.0
+    # Where checkpoints go: None = out_dir/checkpoints; a local path, or a URL (s3://bucket/run1/checkpoints,
+    # any fsspec protocol): there a checkpoint exists once its commit object, written last, says so
+    dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -379,6 +382,7 @@ def _expand_home(cfg: Config) -> Config:
         ),
         model=dataclasses.replace(cfg.model, weights=expand(cfg.model.weights)),
         train=dataclasses.replace(cfg.train, resume=resume),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=expand(cfg.checkpoint.dir)),
     )
 
 
@@ -388,23 +392,34 @@ def check_local_path(value: str | None, name: str) -> None:
     match = URL.match(value or "")
     if match:
         given = f"{name} {value}" if name.startswith("-") else f"{name}={value}"
+        if name == "out_dir":  # the run's own files stay local; its checkpoints may go to the bucket
+            raise UserError(
+                f"{given} is a URL ({match[1]}://); out_dir holds the run's logs and stays local: give a local "
+                f"out_dir and put the checkpoints on object storage with checkpoint.dir={value.rstrip('/')}/checkpoints"
+            )
         raise UserError(
             f"{given} is a URL ({match[1]}://); multicard reads and writes local paths only (a mounted "
             f"filesystem works): copy the data or mount the bucket, and give its local path"
         )
 
 
+# Keys whose value may be a URL, read (and for checkpoint.dir written) through fsspec: base/storage.py.
+URL_KEYS = ("checkpoint.dir", "train.resume", "model.weights")
+
+
 def check_paths(cfg: Config) -> None:
-    """Every path of the config is local (check_local_path), but a pack's data.root: a URL there is read
-    through fsspec (multicard/base/storage.py)."""
+    """Every path of the config is local (check_local_path), but a pack's data.root and URL_KEYS: a URL
+    there is read through fsspec (multicard/base/storage.py)."""
     resume = cfg.train.resume if cfg.train.resume not in ("auto", "never") else None
     root_url = cfg.data.name == "shards" and is_url(cfg.data.root)
     if root_url:
         check_url(cfg.data.root, "data.root")
+    for name, value in zip(URL_KEYS, (cfg.checkpoint.dir, resume, cfg.model.weights), strict=True):
+        if is_url(value):
+            check_url(value, name)
     root = None if root_url else cfg.data.root
     for name, value in (("out_dir", cfg.out_dir), ("data.root", root), ("data.val_root", cfg.data.val_root),
-                        ("data.cache_dir", cfg.data.cache_dir), ("model.weights", cfg.model.weights),
-                        ("train.resume", resume)):  # fmt: skip
+                        ("data.cache_dir", cfg.data.cache_dir)):  # fmt: skip
         check_local_path(value, name)
 
 

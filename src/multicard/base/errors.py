@@ -76,13 +76,15 @@ class Stopped(MulticardError):
         self.signum = signum
         self.step = step
         self.checkpoint: str | None = None
+        self.save_s: float | None = None  # how long the stop's checkpoint took, its upload included
         self.exit_code = ExitCode.for_signal(signum)
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
         if self.checkpoint is None:
             return f"stopped by {name} at step {self.step}; run the same command to resume"
+        took = f" (the save took {self.save_s:.1f} s)" if self.save_s is not None else ""
         return (
             f"stopped by {name} at step {self.step}; checkpoint {self.checkpoint} written; "
-            f"run the same command to resume"
+            f"run the same command to resume{took}"
         )

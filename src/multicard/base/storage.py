@@ -135,15 +135,16 @@ class Remote:
         listing = self.attempt(self.url, lambda: fs.ls(root, detail=True))
         return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry["size"]) for entry in listing}
 
-    def attempt(self, url: str, call: Callable[[], T]) -> T:
-        """call(), tried again on transient errors; then, or on any other error of storage, one line."""
+    def attempt(self, url: str, call: Callable[[], T], action: str = "read") -> T:
+        """call(), tried again on transient errors; then, or on any other error of storage, one line
+        (`action`: what the call does to `url`, as the line says it: read, write, remove)."""
         waited = 0.0
         for attempt in range(self.retries + 1):
             try:
                 return call()
             except Exception as exc:  # noqa: BLE001 - what the storage library raised, said in one line
                 if not transient(exc) or attempt == self.retries:
-                    raise storage_error(url, exc, attempt + 1, waited) from None
+                    raise storage_error(url, exc, attempt + 1, waited, action) from None
                 wait = min(FIRST_WAIT_S * 2**attempt, MAX_WAIT_S)
                 sleep(wait)
                 waited += wait
@@ -188,7 +189,7 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def storage_error(url: str, exc: BaseException, attempts: int, waited: float) -> UserError:
+def storage_error(url: str, exc: BaseException, attempts: int, waited: float, action: str = "read") -> UserError:
     """One line naming the URL (the URL alone: credentials come from the environment) and what to check;
     any error of the storage call (an invalid bucket name is botocore's ParamValidationError) is one."""
     found = next((link for link in _chain(exc) if isinstance(link, (FileNotFoundError, PermissionError))), None)
@@ -197,12 +198,12 @@ def storage_error(url: str, exc: BaseException, attempts: int, waited: float) ->
     if isinstance(found, PermissionError):
         where = CREDENTIALS.get(protocol(url), "the credentials the environment gives")
         return UserError(
-            f"cannot read {url}: access denied ({_reason(found)}); check the credentials ({where}) and that they "
-            f"may read this bucket"
+            f"cannot {action} {url}: access denied ({_reason(found)}); check the credentials ({where}) and that they "
+            f"may {action} this bucket"
         )
     if transient(exc):
         return UserError(
-            f"cannot read {url} ({_reason(exc)}) after {attempts} attempt(s) over {waited:.1f} s; check that the "
+            f"cannot {action} {url} ({_reason(exc)}) after {attempts} attempt(s) over {waited:.1f} s; check that the "
             f"storage endpoint is up and reachable (for s3://: AWS_ENDPOINT_URL), then run the same command again"
         )
-    return UserError(f"cannot read {url} ({_reason(exc)}); check the URL and the storage it names")
+    return UserError(f"cannot {action} {url} ({_reason(exc)}); check the URL and the storage it names")

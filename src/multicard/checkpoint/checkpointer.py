@@ -10,6 +10,7 @@ run can continue it. The training loop only reports that a step or an epoch has 
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,16 @@ from multicard.checkpoint.compat import (
     check_settings,
     schedule_stretch,
 )
+from multicard.checkpoint.remote import (
+    RemoteFolder,
+    checkpoint_folder,
+    committed_target,
+    downloaded,
+    is_remote,
+    readable,
+    step_of,
+)
+from multicard.checkpoint.remote_writer import RemoteWriter, estimate_line
 from multicard.checkpoint.sharded import COMPLETE, Sharded, incomplete_dirs, part_of_sharded, unmarked_dirs
 from multicard.checkpoint.single_file import SingleFile
 from multicard.engine.loop import Callback, Loop, StepEnd
@@ -78,7 +89,10 @@ def checkpoints_in(folder: Path) -> list[Path]:
 
 def newest_readable(folder: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
     """The newest checkpoint whose metadata reads (its path and metadata), and a warning for
-    each newer one passed over: damaged, or a step directory without its COMPLETE marker."""
+    each newer one passed over: damaged, or a step directory without its COMPLETE marker (on object
+    storage: uncommitted)."""
+    if is_remote(folder):
+        return _newest_committed(folder)
     unmarked = [(step, path, False) for step, path in unmarked_dirs(folder)] if folder.is_dir() else []
     candidates = [(step, path, True) for step, path in _steps_in(folder)] + unmarked
     skipped = []
@@ -98,8 +112,28 @@ def newest_readable(folder: Path) -> tuple[Path | None, dict[str, Any] | None, l
     return None, None, skipped
 
 
-def resume_path(mode: str) -> Path:
-    """The checkpoint train.resume=PATH names: a checkpoint, or the newest that reads in a folder of them."""
+def _newest_committed(url: str) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+    """newest_readable of a folder on object storage: its newest committed checkpoint (a commit object
+    is written once the upload is whole), and a warning for each newer one not committed."""
+    store = RemoteFolder(url)
+    names = store.names()  # one listing
+    committed = store.committed(names)
+    step, newest = committed[0] if committed else (-1, None)
+    cut_short = [u for u in store.uncommitted(names) if step_of(u.rsplit("/", 1)[-1]) > step]  # newer ones
+    skipped = [f"skipping {u}: it has no commit object (a run ended while uploading it)" for u in cut_short]
+    if newest is None:
+        return None, None, skipped
+    with downloaded(newest) as local:
+        meta = format_of(local).read_meta(local)
+        check_format(meta, local)
+    return newest, meta, skipped
+
+
+def resume_path(mode: str) -> Path | str:
+    """The checkpoint train.resume=PATH names: a checkpoint, or the newest that reads in a folder of them
+    (a URL: the newest committed one in a folder of them)."""
+    if is_remote(mode):
+        return _remote_resume_path(mode)
     path = Path(mode)
     if not path.exists():
         raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
@@ -111,26 +145,38 @@ def resume_path(mode: str) -> Path:
     return path
 
 
+def _remote_resume_path(url: str) -> str:
+    """train.resume=URL: a committed checkpoint, or the newest committed one of a folder of them."""
+    if step_of(url.rstrip("/").rsplit("/", 1)[-1]) is None:  # not a step checkpoint: maybe a folder of them
+        newest = RemoteFolder(url.rstrip("/")).newest()
+        if newest is not None:
+            return newest
+    return committed_target(url, "train.resume")
+
+
 def check_resume_settings(folder: Path, mode: str, config: dict[str, Any]) -> None:
     """Before a launcher starts workers: the checkpoint train.resume would continue accepts this
-    config (its settings; the data and model are checked by the workers)."""
+    config (its settings; the data and model are checked by the workers). `folder`: out_dir/checkpoints,
+    unless the config's checkpoint.dir says otherwise."""
     if mode == "never":
         return
     if mode == "auto":
-        path, meta, _ = newest_readable(folder)
+        path, meta, _ = newest_readable(checkpoint_folder(folder, config.get("checkpoint", {}).get("dir")))
     else:
         path = resume_path(mode)
-        meta = format_of(path).read_meta(path)
+        with readable(path) as local:
+            meta = format_of(local).read_meta(local)
     if path is not None and meta is not None:
         check_settings(meta, path, config)
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path | str) -> dict[str, Any]:
     """A checkpoint's contents in the single-file layout, whatever its format; the model as whole
-    CPU tensors (for eval, export and fine-tuning)."""
-    fmt = format_of(path)
-    check_format(fmt.read_meta(path), path)
-    return fmt.read(path)
+    CPU tensors (for eval, export and fine-tuning). A URL: a committed checkpoint on object storage."""
+    with readable(path) as local:
+        fmt = format_of(local)
+        check_format(fmt.read_meta(local), local)
+        return fmt.read(local)
 
 
 class Checkpointer(Callback):
@@ -142,14 +188,16 @@ class Checkpointer(Callback):
         run: RunFacts,
         say: Callable[[str], None] = lambda line: None,
     ) -> None:
-        self.folder = folder
+        self.folder: Path | str = checkpoint_folder(folder, options.dir)  # checkpoint.dir, else `folder`
         self.strategy = strategy
         self.ctx = strategy.ctx
         self.options = options
         self.run = run
         self.say = say
-        self.writer = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
-        self.last_saved: tuple[int, Path] | None = None
+        fmt = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
+        self.remote = is_remote(self.folder)
+        self.writer = RemoteWriter(fmt, self.folder, options.stop_timeout_s) if self.remote else fmt
+        self.last_saved: tuple[int, Path | str] | None = None
         # Background writes need a process group of their own: their collectives would otherwise
         # interleave with training's (gloo aborts on that).
         self.background = dist.new_group(backend="gloo") if options.async_save and self.ctx.distributed else None
@@ -164,6 +212,8 @@ class Checkpointer(Callback):
         never: start afresh and remove the folder's old checkpoints; else the path given.
         """
         chosen: str | None = None
+        if self.remote:
+            return self._choose_remote(mode)
         if self.ctx.is_main:
             self._check_folder()
         if self.ctx.is_main and self.folder.is_dir():
@@ -179,6 +229,26 @@ class Checkpointer(Callback):
             chosen = str(resume_path(mode))  # every rank reads it, and a bad one fails on every rank
         chosen = self.strategy.broadcast_object(chosen)
         return Path(chosen) if chosen is not None else None
+
+    def _choose_remote(self, mode: str) -> str | None:
+        """choose() of a folder on object storage: auto takes the newest committed checkpoint (its
+        commit object is written once the upload is whole); uncommitted ones are removed, and said."""
+        chosen: str | None = None
+        store = self.writer.store
+        for url in store.uncommitted() if self.ctx.is_main else []:
+            store.discard(url)
+            self.say(f"removed {url}: a run ended while uploading that checkpoint (it has no commit object)")
+        if self.ctx.is_main and mode == "never":
+            old = self.writer.steps(self.folder)
+            for _, url in old:
+                self.writer.remove(url)
+            if old:
+                self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
+        elif self.ctx.is_main and mode == "auto":
+            chosen = store.newest()
+        elif mode not in ("auto", "never"):
+            chosen = str(resume_path(mode))
+        return self.strategy.broadcast_object(chosen)
 
     def _check_folder(self) -> None:
         """A file in the folder's way is said before any training, not after an epoch. The folder
@@ -209,15 +279,16 @@ class Checkpointer(Callback):
                 if pointer.exists() or pointer.is_symlink():
                     pointer.unlink()
 
-    def restore(self, path: Path, loop: Loop) -> dict[str, Any]:
+    def restore(self, path: Path | str, loop: Loop) -> dict[str, Any]:
         """Check that this run can continue `path`, then load it into the trainer; its contents."""
-        fmt = format_of(path)
-        meta = fmt.read_meta(path)
-        check_resumable(meta, path, self.run, loop.bare)
-        stretched = schedule_stretch(meta, self.run.config)
-        if stretched is not None:
-            self.say(stretched)
-        state = fmt.read(path, loop.state_dict() if fmt.needs_template else None)
+        with readable(path) as local:
+            fmt = format_of(local)
+            meta = fmt.read_meta(local)
+            check_resumable(meta, local, self.run, loop.bare)
+            stretched = schedule_stretch(meta, self.run.config)
+            if stretched is not None:
+                self.say(stretched)
+            state = fmt.read(local, loop.state_dict() if fmt.needs_template else None)
         loop.load_state_dict({**{k: state[k] for k in TOP_LEVEL if k in state}, **state["resume"]})
         self.last_saved = (loop.position.global_step, path)
         return state
@@ -251,7 +322,7 @@ class Checkpointer(Callback):
         }
         path = self.writer.path_for(self.folder, pos.global_step)
         self._pending = (path, self.writer.write(path, contents, self.ctx, self.background), best)
-        if self.background is None:
+        if self.background is None and not self.remote:  # an upload goes on in the background
             self.finish_writing()
         self.last_saved = (pos.global_step, path)
         loop.set_phase(IDLE)
@@ -265,7 +336,8 @@ class Checkpointer(Callback):
         self._pending = None
         complete()
         if self.ctx.is_main:
-            self._remove_pointers(f for f in FORMATS.values() if f is not self.writer)  # a run that changed format
+            if not self.remote:
+                self._remove_pointers(f for f in FORMATS.values() if f is not self.writer)  # a run that changed format
             self.writer.point(self.folder, "last", path)
             if best:
                 self.writer.point(self.folder, "best", path)
@@ -289,11 +361,17 @@ class Checkpointer(Callback):
     def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: EvalResult | None, best: bool) -> None:
         self.save(loop, val, best)
 
+    def on_fit_start(self, loop: Loop) -> None:
+        if self.remote and self.ctx.is_main:  # what a preemption's grace period must cover
+            self.say(estimate_line(loop, self.writer.store, self.options.stop_timeout_s))
+
     def on_stop(self, loop: Loop, stop: Stopped) -> None:
+        began = time.monotonic()
         if self.last_saved is None or self.last_saved[0] != loop.position.global_step:
             self.save(loop)
-        self.finish_writing()
+        self.finish_writing()  # the upload too: a stop waits for it
         stop.checkpoint = str(self.last_saved[1]) if self.last_saved else None
+        stop.save_s = time.monotonic() - began
 
     def on_fit_end(self, loop: Loop) -> None:
         self.finish_writing()

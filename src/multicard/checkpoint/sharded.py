@@ -101,7 +101,7 @@ class Sharded:
         ctx.barrier()
         tensors = {k: state[k] for k in TENSORS if k in state}
         # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
-        dcp = _dcp()
+        dcp = dcp_api()
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         with _unwritable(path, tmp, ctx):
             if background is None:
@@ -153,7 +153,7 @@ class Sharded:
             tensors = {key: value for key, value in whole.items() if value}
         else:
             tensors = {k: template[k] for k in TENSORS if k in template}
-        dcp = _dcp()
+        dcp = dcp_api()
         try:
             with warnings.catch_warnings():
                 # Whole tensors are read by each process alone, with or without a process group
@@ -189,7 +189,7 @@ class Sharded:
     @staticmethod
     def _whole_tensors(path: Path, key: str, device: str) -> dict[str, torch.Tensor]:
         """Empty whole tensors of `key`'s entries, shaped as saved (DCP's metadata holds the shapes)."""
-        dcp = _dcp()
+        dcp = dcp_api()
         metadata = _metadata(path).state_dict_metadata
         prefix = f"{key}."
         return {
@@ -199,7 +199,7 @@ class Sharded:
         }
 
 
-def _dcp() -> Any:
+def dcp_api() -> Any:
     """torch.distributed.checkpoint, imported on first use: it pulls in DTensor and sympy (over
     half a second), which a launcher that only reads a checkpoint's settings should not pay."""
     import torch.distributed.checkpoint as dcp
@@ -210,7 +210,7 @@ def _dcp() -> Any:
 def _metadata(path: Path) -> Any:
     """DCP's index of a step directory: every tensor's shape, and where its bytes are."""
     try:
-        return _dcp().FileSystemReader(str(path)).read_metadata()
+        return dcp_api().FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
         raise UserError(
             f"checkpoint {path} cannot be read ({path / '.metadata'}: {type(exc).__name__}); it is damaged, "
@@ -240,8 +240,8 @@ def _unwritable(path: Path, tmp: Path, ctx: ProcessContext) -> Iterator[None]:
     BaseException)."""
     try:
         yield
-    except (_dcp().CheckpointException, OSError) as exc:
-        every_rank = isinstance(exc, _dcp().CheckpointException)  # DCP tells every rank of any rank's failure
+    except (dcp_api().CheckpointException, OSError) as exc:
+        every_rank = isinstance(exc, dcp_api().CheckpointException)  # DCP tells every rank of any rank's failure
         reason = _os_reason(exc) or (_probe(tmp) if ctx.is_main else None) or _first_line(exc)
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)

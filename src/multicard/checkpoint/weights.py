@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 
 from multicard.base.errors import UserError
+from multicard.base.storage import is_url
+from multicard.checkpoint.remote import BEST_NAMES, LAST_NAMES, downloaded, readable, step_of
 from multicard.checkpoint.single_file import load_weights_only
 
 
@@ -44,9 +46,20 @@ def _state_dict_in(path: Path) -> dict[str, Any]:
     return loaded
 
 
+def _weights_at(path: str) -> dict[str, Any]:
+    """The state dict at a path or URL: a committed checkpoint there (step-N, last, best), or a plain
+    state dict object (what export wrote, uploaded)."""
+    if not is_url(path):
+        return _state_dict_in(Path(path))
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    a_checkpoint = step_of(name) is not None or name in LAST_NAMES + BEST_NAMES
+    with readable(path, "model.weights") if a_checkpoint else downloaded(path) as local:
+        return _state_dict_in(local)
+
+
 def load_weights(model: nn.Module, path: str) -> str:
     """Load what fits of `path` into `model`; a one-line note of what was loaded and what not."""
-    state = {k.removeprefix("module."): v for k, v in _state_dict_in(Path(path)).items()}
+    state = {k.removeprefix("module."): v for k, v in _weights_at(path).items()}
     own = model.state_dict()
     fits = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
     if not fits:

@@ -83,7 +83,7 @@ def eval_config(state: dict[str, Any], overrides: list[str]) -> Config:
 
 def check_eval(path: str, overrides: list[str], world_size: int, per_node: int) -> Topology:
     """What `eval` checks before a launcher starts workers: the checkpoint reads, the config holds."""
-    cfg = eval_config(read_checkpoint(Path(path)), overrides)
+    cfg = eval_config(read_checkpoint(path), overrides)
     return resolve(cfg, world_size, per_node, launched=True, training=False)
 
 
@@ -101,7 +101,7 @@ def evaluate_checkpoint(
 ) -> EvalResult:
     """Exact evaluation of a checkpoint (its weights' EMA with `ema`) on the configured validation
     data, any world size."""
-    state = read_checkpoint(Path(path))
+    state = read_checkpoint(path)
     weights = weights_of(state, path, ema)
     cfg = eval_config(state, overrides)
     topology = resolve(cfg, env.world_size, env.local_world_size, env.launched, training=False)
@@ -135,7 +135,7 @@ def evaluate_checkpoint(
 def export(path: str, out: str, ema: bool = False) -> Path:
     """Write a checkpoint's model (any format; its weights' EMA with `ema`) as a plain state dict:
     whole tensors, no prefixes, loadable with `model.load_state_dict(torch.load(out))`."""
-    state = read_checkpoint(Path(path))
+    state = read_checkpoint(path)
     weights = weights_of(state, path, ema)
     target = Path(out).expanduser()
     if target.is_dir():

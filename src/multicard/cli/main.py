@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from multicard.base.config import check_local_path, load_config, parse_devices
 from multicard.base.errors import ExitCode, MulticardError, UserError
+from multicard.base.storage import check_url, is_url
 from multicard.base.version import __version__
 from multicard.run.preflight import check_output_folder, check_run, prepare_out_dir
 from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
@@ -385,7 +386,9 @@ def _check_local_paths(args: argparse.Namespace) -> None:
     """The command line's own paths are local ones (config paths: config.check_paths)."""
     for flag in ("checkpoint", "out", "verify", "keep", "config"):
         value = getattr(args, flag, None)
-        if isinstance(value, str):
+        if flag == "checkpoint" and is_url(value):  # eval --checkpoint URL, export URL: read through fsspec
+            check_url(value, "--checkpoint")
+        elif isinstance(value, str):
             check_local_path(value, f"--{flag}")
     for run_dir in getattr(args, "runs", None) or []:
         check_local_path(run_dir, "RUN_DIR")

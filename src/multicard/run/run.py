@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from multicard.base.errors import UserError
+from multicard.checkpoint.remote import checkpoint_folder
 from multicard.data.loading.keyed import Transform, check_map_style
 from multicard.engine.loop import Position
 from multicard.engine.phases import EVALUATION, IDLE
@@ -72,7 +73,10 @@ class Run:
     device = property(lambda self: self.runtime.ctx.device, doc="where the model and batches are")
     is_main = property(lambda self: self.runtime.ctx.is_main, doc="rank 0, which writes the run's files")
     out_dir = property(lambda self: self.runtime.out_dir)
-    checkpoint_dir = property(lambda self: self.runtime.out_dir / "checkpoints")
+    # checkpoint.dir (a path, or a URL as text), else out_dir/checkpoints
+    checkpoint_dir = property(
+        lambda self: checkpoint_folder(self.runtime.out_dir / "checkpoints", self.runtime.cfg.checkpoint.dir)
+    )
     strategy = property(lambda self: self.runtime.strategy.name, doc="single | dp | ddp | fsdp, as resolved")
 
     @property
