@@ -40,6 +40,11 @@ class TrainConfig:
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
 
+    def run_length(self, steps_per_epoch: int) -> int:
+        """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
+        steps = self.epochs * steps_per_epoch
+        return min(steps, self.max_steps) if self.max_steps else steps
+
     def micro_batch(self, world_size: int) -> int:
         """Samples one process handles in one micro-step, or why the global batch does not split."""
         return micro_batch(self.global_batch_size, self.grad_accum, world_size)
