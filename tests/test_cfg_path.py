@@ -34,8 +34,7 @@ def unit_of(module: str) -> str:
 
 def record_calls(argv: list[str]) -> list[tuple[str, str, list]]:
     """(module, function, its arguments that are config objects) of every call made in src/multicard
-    by `multicard ARGV` until the first optimizer step; the objects are kept (identity
-    is compared later)."""
+    by `multicard ARGV` until the first optimizer step; the objects are kept (identity is compared later)."""
     calls: list[tuple[str, str, list]] = []
     config_types = tuple({Config, *(type(getattr(Config(), f.name)) for f in dataclasses.fields(Config))})
 

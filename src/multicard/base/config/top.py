@@ -61,24 +61,18 @@ class Config:
         self.check_paths()
         choice(self.strategy, "strategy", STRATEGIES)
         choice(self.precision, "precision", PRECISIONS)
-        for section in (self.optim, self.sched, self.data, self.mix):
-            section.check()
-        self.mix.check_repeats(self.data.repeats, self.train.global_batch_size)
-        self.ema.check()
-        self.sched.check_ranges()
-        self.data.check_compile(self.compile_mode if self.compile else None)
-        for section in (self.debug, self.log, self.ddp, self.fsdp, self.checkpoint):
-            section.check()
         choice(self.compile_mode, "compile_mode", COMPILE_MODES)
         parse_devices(self.devices)
-        self.train.check()
-        self.optim.check_ranges()
+        for section in (self.data, self.train, self.mix, self.ema, self.optim, self.sched, self.ddp, self.fsdp,
+                        self.checkpoint, self.debug, self.log):  # fmt: skip
+            section.check()
         positive(self.clip_grad_norm, "clip_grad_norm", zero_ok=True)
         positive(self.log_every, "log_every")
         within(self.threads, "threads", 0, MAX_THREADS, hi_open=False)
         positive(self.seed, "seed", zero_ok=True)
         positive(self.dist_timeout_s, "dist_timeout_s")
-        self.train.check_batch()
+        self.mix.check_repeats(self.data.repeats, self.train.global_batch_size)
+        self.data.check_compile(self.compile_mode if self.compile else None)
 
     def check_paths(self) -> None:
         """Every path of the config is local (check_local_path), but a pack's data.root: a URL there is

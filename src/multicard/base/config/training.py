@@ -39,6 +39,11 @@ class TrainConfig:
         positive(self.max_steps, "train.max_steps", zero_ok=True)
         if not 0 <= self.label_smoothing < 1:
             raise UserError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
+        if self.global_batch_size % self.grad_accum:
+            raise UserError(
+                f"train.global_batch_size={self.global_batch_size} is not divisible by "
+                f"train.grad_accum={self.grad_accum}; change one of them"
+            )
 
     def run_length(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
@@ -48,13 +53,6 @@ class TrainConfig:
     def micro_batch(self, world_size: int) -> int:
         """Samples one process handles in one micro-step, or why the global batch does not split."""
         return micro_batch(self.global_batch_size, self.grad_accum, world_size)
-
-    def check_batch(self) -> None:
-        if self.global_batch_size % self.grad_accum:
-            raise UserError(
-                f"train.global_batch_size={self.global_batch_size} is not divisible by "
-                f"train.grad_accum={self.grad_accum}; change one of them"
-            )
 
 
 def micro_batch(global_batch: int, grad_accum: int, world_size: int) -> int:
@@ -102,8 +100,6 @@ class OptimConfig:
     def check(self) -> None:
         choice(self.name, "optim.name", OPTIMIZERS)
         choice(self.lr_scaling, "optim.lr_scaling", LR_SCALING)
-
-    def check_ranges(self) -> None:
         positive(self.lr, "optim.lr")
         positive(self.base_batch_size, "optim.base_batch_size")
         positive(self.weight_decay, "optim.weight_decay", zero_ok=True)
@@ -125,10 +121,9 @@ class SchedConfig:
     gamma: float = 0.1  # step: decay factor
 
     def check(self) -> None:
+        """The schedule's name; the warm-up's start and the schedule's floor, as fractions of the peak
+        lr; the epochs' counts."""
         choice(self.name, "sched.name", SCHEDULES)
-
-    def check_ranges(self) -> None:
-        """The warm-up's start and the schedule's floor, as fractions of the peak lr; the epochs' counts."""
         within(self.warmup_start, "sched.warmup_start", 0, 1)
         within(self.final_lr_ratio, "sched.final_lr_ratio", 0, 1, hi_open=False)
         positive(self.warmup_epochs, "sched.warmup_epochs", zero_ok=True)
