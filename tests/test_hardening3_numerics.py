@@ -170,7 +170,7 @@ def test_37_4_copies_never_form_a_mixing_pair_at_any_world_size(mode):
     for batch, repeats in [(32, 16), (32, 8), (24, 8), (36, 12)]:
         for world, accum in [(1, 1), (2, 1), (2, 2), (4, 1)]:
             if (batch // (world * accum)) % 2:
-                continue  # an odd micro-batch is refused with mixing on (mixing.check_pairs)
+                continue  # an odd micro-batch is refused with mixing on (MixConfig.check_pairs)
             for targets in _mixed_targets(BatchSplit(batch, accum, world), repeats, mode, num_samples=2 * batch):
                 assert ((targets > 0).sum(1) == 2).all(), (batch, repeats, world, accum)
 

@@ -39,12 +39,6 @@ class RunFacts:
     script: str | None = None  # a user's script that trained with multicard.Run (None: multicard train)
 
 
-def run_length(train: TrainConfig, steps_per_epoch: int) -> int:
-    """Optimizer steps of the whole run: train.epochs, cut short by train.max_steps if set."""
-    steps = train.epochs * steps_per_epoch
-    return min(steps, train.max_steps) if train.max_steps else steps
-
-
 def _train_of(config: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in config["train"].items() if k in TrainConfig.__dataclass_fields__})
 
@@ -60,7 +54,7 @@ def schedule_stretch(meta: dict[str, Any], config: dict[str, Any]) -> str | None
     """The warning for a resume whose run length changed under a schedule that depends on it
     (cosine: the rest of the decay is spread over the new length), or None."""
     spe = meta["resume"]["steps_per_epoch"]
-    old, new = run_length(_train_of(meta["config"]), spe), run_length(_train_of(config), spe)
+    old, new = _train_of(meta["config"]).run_length(spe), _train_of(config).run_length(spe)
     if old == new or config["sched"]["name"] != "cosine":
         return None
     return (
@@ -141,10 +135,10 @@ def check_weights(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> N
 def check_not_past_the_end(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
     """A checkpoint past the end of this run's length has nothing to continue."""
     train, spe = _train_of(config), meta["resume"]["steps_per_epoch"]
-    if meta["step"] > run_length(train, spe):
+    if meta["step"] > train.run_length(spe):
         raise UserError(
             f"checkpoint {path} is at step {meta['step']}, already past {_length_setting(train, spe)} "
-            f"({run_length(train, spe)} steps); to continue it, raise train.max_steps (or train.epochs); "
+            f"({train.run_length(spe)} steps); to continue it, raise train.max_steps (or train.epochs); "
             f"to start afresh, set train.resume=never or another out_dir"
         )
 

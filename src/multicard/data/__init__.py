@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from multicard.base.config import DataConfig
+from multicard.base.config import DataConfig, check_decode
 from multicard.base.errors import UserError
 from multicard.base.host_memory import available_memory
 from multicard.base.storage import is_url
@@ -19,7 +19,7 @@ from multicard.data.augmentation.device_transform import Augment, DeviceTransfor
 from multicard.data.augmentation.policies import sample_policy
 from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
 from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip, is_small
-from multicard.data.decoding.choice import check_decode, choose_decode
+from multicard.data.decoding.choice import choose_decode
 from multicard.data.decoding.decode import decoded, default_cache_dir, fit_square
 from multicard.data.decoding.gpu_decode import GpuDecode
 from multicard.data.decoding.jpeg_crop import JpegTransform, collate_encoded

@@ -13,7 +13,6 @@ and TensorBoard go on), or ends the run where log.on_tracker_error=fail.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -43,21 +42,6 @@ MLFLOW_HTTP_DEFAULTS = {
 MLFLOW_PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
 MLFLOW_PARAM_CHARS = 6000  # MLflow's limit for a parameter's value
 REASON_CHARS = 240  # of a tracker's error, in our one line
-
-
-# The one line for a tracker asked for whose package is missing (the module is the config key)
-MISSING = {
-    "mlflow": "log.mlflow=true needs mlflow: pip install 'multicard[mlflow]' (or set log.mlflow=false)",
-    "wandb": "log.wandb=true needs wandb: pip install 'multicard[wandb]' (or set log.wandb=false)",
-}
-
-
-def check_trackers(cfg: Config) -> None:
-    """The trackers the config asks for are installed: one line naming the extra if not. Only
-    looked up (importing them takes seconds; rank 0 does it when it starts them)."""
-    for key, message in MISSING.items():
-        if getattr(cfg.log, key) and importlib.util.find_spec(key) is None:
-            raise UserError(message)
 
 
 def flat_params(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

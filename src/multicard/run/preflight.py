@@ -4,15 +4,15 @@ list of a training run's checks) fsdp.units and the resume settings hold."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 from multicard.base.atomic import probe_write
-from multicard.base.config import Config, check_local_path, to_dict
+from multicard.base.config import Config, LogConfig, check_local_path, to_dict
 from multicard.base.errors import UserError
 from multicard.checkpoint import check_resume_settings
 from multicard.observe.telemetry import check_tensorboard_folder, tensorboard_writer
-from multicard.observe.tracking import check_trackers
 
 
 def prepare_out_dir(path: str) -> Path:
@@ -45,13 +45,28 @@ def check_output_folder(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path} cannot be written ({reason}); choose another folder") from None
 
 
+# The one line for a tracker asked for whose package is missing (the module is the config key)
+MISSING = {
+    "mlflow": "log.mlflow=true needs mlflow: pip install 'multicard[mlflow]' (or set log.mlflow=false)",
+    "wandb": "log.wandb=true needs wandb: pip install 'multicard[wandb]' (or set log.wandb=false)",
+}
+
+
+def check_trackers(log: LogConfig) -> None:
+    """The trackers the config asks for are installed: one line naming the extra if not. Only
+    looked up (importing them takes seconds; rank 0 does it when it starts them, observe/tracking.py)."""
+    for key, message in MISSING.items():
+        if getattr(log, key) and importlib.util.find_spec(key) is None:
+            raise UserError(message)
+
+
 def check_extras(cfg: Config) -> None:
     """Optional packages the config asks for are installed (one line naming the extra if not), and
     the folder TensorBoard writes to can be written."""
     if cfg.log.tensorboard:
         tensorboard_writer()
         check_tensorboard_folder(Path(cfg.out_dir) / "tensorboard")
-    check_trackers(cfg)
+    check_trackers(cfg.log)
 
 
 def check_run(cfg: Config) -> None:

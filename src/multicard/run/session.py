@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from multicard.base.config import Config, ModelConfig, stall_seconds, to_dict
 from multicard.base.errors import MulticardError, Stopped
 from multicard.checkpoint import RunFacts
-from multicard.checkpoint.compat import run_length
 from multicard.checkpoint.weights import load_weights
 from multicard.data import Data, build_data
 from multicard.data.augmentation.mixing import StepMix, mixing
@@ -214,7 +213,7 @@ def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
             notes = [load_weights(bare, cfg.model.weights)] if cfg.model.weights else []
             model = strategy.prepare(bare)
             seed_process(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
-            schedule = training_schedule(cfg, steps_per_epoch, run_length(cfg.train, steps_per_epoch))
+            schedule = training_schedule(cfg, steps_per_epoch, cfg.train.run_length(steps_per_epoch))
             mix = mixing(cfg.mix, batch_split, ctx.rank, cfg.seed, data.num_classes)
             trainer, _ = assemble_trainer(cfg, strategy, model, data.train, data.val, schedule, stop, mix)
             watchdog = watch_for_stalls(cfg, ctx, trainer.loop, stack)

@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from multicard.base.errors import MulticardError, Stopped, UserError
 from multicard.checkpoint import Checkpointer, RunFacts
-from multicard.checkpoint.compat import run_length
 from multicard.engine.loop import Hooks, Loop, Position, Schedule, StepEnd
 from multicard.run.ending import on_error
 from multicard.run.logbook import Logbook
@@ -109,7 +108,7 @@ class Training:
             raise UserError("run.epochs(...) before run.loader(train_set): the training loader sets an epoch's steps")
         spe = self.loaders[0].steps_per_epoch
         rt.cfg = cfg = dataclasses.replace(rt.cfg, train=dataclasses.replace(rt.cfg.train, epochs=n))
-        loop.schedule = dataclasses.replace(loop.schedule, steps_per_epoch=spe, total_steps=run_length(cfg.train, spe))
+        loop.schedule = dataclasses.replace(loop.schedule, steps_per_epoch=spe, total_steps=cfg.train.run_length(spe))
         facts = RunFacts(saved_config(cfg), [], spe, rt.ctx.world_size, script=rt.script)
         folder = rt.out_dir / "checkpoints"
         self.checkpointer = Checkpointer(folder, rt.strategy, cfg.checkpoint, facts, rt.reporter.print)

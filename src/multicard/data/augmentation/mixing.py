@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from multicard.base.config import MixConfig
-from multicard.base.errors import UserError
 from multicard.data.loading.sampling import BatchSplit
 
 MIX_STREAM = 0x6D6978  # keeps these draws apart from any other generator keyed by (seed, epoch, step)
@@ -43,16 +42,6 @@ def mixing(cfg: MixConfig, split: BatchSplit, rank: int, seed: int, num_classes:
     if cfg.mixup_alpha == 0 and cfg.cutmix_alpha == 0:
         return None  # (a dataset of one class, which mixing could not blend, is refused when it is read)
     return StepMix(BatchMix(cfg), split, rank, seed, num_classes)
-
-
-def check_pairs(cfg: MixConfig, split: BatchSplit) -> None:
-    """Pairs never straddle two processes or micro-steps: every micro-batch is even."""
-    if (cfg.mixup_alpha or cfg.cutmix_alpha) and split.micro_batch % 2:
-        raise UserError(
-            f"mixup and CutMix pair neighbouring samples, so each process's micro-batch must be even, but "
-            f"train.global_batch_size={split.global_batch} over {split.world_size} process(es) × "
-            f"train.grad_accum={split.grad_accum} gives {split.micro_batch}; make it even"
-        )
 
 
 class StepMix:

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from multicard.base.config import check_decode
 from multicard.base.errors import UserError
 from multicard.data.augmentation.transforms import is_small
 from multicard.data.sources.folders import Files, Items, Splits
-
-
-def check_decode(decode: str, cuda: bool) -> None:
-    """data.decode=gpu needs a CUDA device; checked before anything is read (and before launch)."""
-    if decode == "gpu" and not cuda:
-        raise UserError(
-            "data.decode=gpu decodes JPEGs on a CUDA GPU (nvjpeg) but this run uses none; "
-            "use data.decode=cpu, or data.decode=auto (gpu where CUDA is in use, else cpu)"
-        )
 
 
 def choose_decode(decode: str, loader: str, splits: Splits, image_size: int, device: torch.device) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multicard.base.config import micro_batch
 from multicard.base.errors import UserError
 
 
@@ -26,19 +27,12 @@ class BatchSplit:
     world_size: int
 
     def __post_init__(self) -> None:
-        per_step = self.world_size * self.grad_accum
-        if self.global_batch % per_step:
-            lo = (self.global_batch // per_step) * per_step or per_step
-            raise UserError(
-                f"train.global_batch_size={self.global_batch} is not divisible by "
-                f"{self.world_size} process(es) × train.grad_accum={self.grad_accum}; "
-                f"use a multiple of {per_step} such as {lo} or {lo + per_step}"
-            )
+        micro_batch(self.global_batch, self.grad_accum, self.world_size)  # refuses a batch that does not split
 
     @property
     def micro_batch(self) -> int:
         """Samples one process handles in one micro-step."""
-        return self.global_batch // (self.world_size * self.grad_accum)
+        return micro_batch(self.global_batch, self.grad_accum, self.world_size)
 
     def steps_per_epoch(self, num_samples: int) -> int:
         return num_samples // self.global_batch
@@ -53,7 +47,7 @@ def repeated_order(perm: torch.Tensor, global_batch: int, repeats: int) -> torch
     """Repeated augmentation: each global batch holds global_batch/repeats samples of `perm`, in
     order, `repeats` times; copy j of sample i is named j·N + i (its augmentation differs) and
     stands global_batch/repeats positions after copy j-1. So copies never form a mixing pair
-    (positions 2k, 2k+1) unless the batch is copies of one sample (config.check_repeats refuses
+    (positions 2k, 2k+1) unless the batch is copies of one sample (MixConfig.check_repeats refuses
     that with mixing on), and never share a micro-batch of at most global_batch/repeats samples
     (copies_in_a_micro_batch). The epoch keeps its number of steps (it sees 1/repeats of the
     samples), as torchvision's and DeiT's repeated-augmentation samplers keep it."""

@@ -2,7 +2,7 @@
 gradient accumulation that keeps the configured global batch, the step time, and which to run.
 
 Every strategy is the user's config with a few keys changed (Candidate.overrides), checked by
-the config's own validation (and topology.check_fsdp for fsdp), so the command printed at the
+the config's own validation (and Config.check_fsdp for fsdp), so the command printed at the
 end is one `multicard train` accepts.
 """
 
@@ -16,7 +16,6 @@ from multicard.base.config import Config, load_config, to_dict, with_overrides
 from multicard.base.errors import UserError
 from multicard.base.malloc import wants_release
 from multicard.data.loading.sampling import BatchSplit
-from multicard.strategy.topology import check_fsdp
 from multicard.tools.plan.candidates import CANDIDATES, DEFAULT_HEADROOM, Candidate
 from multicard.tools.plan.dataset import DataFacts, data_facts, resident_bytes
 from multicard.tools.plan.memory import ELEMENT, Layout, Memory, largest_batch, peak
@@ -131,7 +130,7 @@ def plan_row(model: StepModel, c: Candidate, target: Target, cfg: Config, facts:
         ccfg = with_overrides(cfg, list(c.overrides))
         world, per_node = _processes(c, target)
         if c.kind == "fsdp":
-            check_fsdp(ccfg, world, per_node)
+            ccfg.check_fsdp(world, per_node)
         plan = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world)
     except UserError as exc:
         row.reason = str(exc)
