@@ -37,23 +37,29 @@ from PIL import Image
 from multicard.base.atomic import remove_temporaries, write_text_atomic
 from multicard.base.config import READS_ROOT, DataConfig
 from multicard.base.errors import UserError
-from multicard.base.version import __version__
 from multicard.data import capped_to_cores
 from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, opened
 from multicard.data.sources.folders import Files, Items, Source, Splits
-from multicard.data.sources.shards import (
+from multicard.data.sources.shard_format import (
     BLOCK,
     COLUMNS,
-    FORMAT,
     HEADER,
     INDEX,
     PARTIAL,
     VERSION,
     Index,
+    block_size,
     check_shards,
     check_splits,
-    padded,
+    file_sha256,
+    index_digest,
+    index_document,
     read_index,
+    sample_block,
+    sample_key,
+    shard_name,
+    write_index,
+    write_shard,
 )
 from multicard.data.sources.user import read_item
 from multicard.runtime.exits import die_with_parent
@@ -61,7 +67,6 @@ from multicard.runtime.process_group import cpu_cores
 
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
 EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
-COPY_BYTES = 8 << 20
 STORED_ORDER_SEED = 0
 RECORDS = ("length", "label", "width", "height", *HEADER)  # what reading a chunk's samples tells, per sample
 # What a failed write of a pack (disk full, quota) advises: what was finished is kept, the rest removed.
@@ -69,26 +74,6 @@ RERUN = "free space or choose another --out, then run the same command: it conti
 
 
 # ---------------------------------------------------------------- what one sample becomes
-
-
-def member_header(name: str, size: int) -> bytes:
-    """A tar member's 512-byte ustar header (no time, owner or mode that differ between runs)."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = size, 0o644, 0
-    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
-
-
-def sample_block(key: str, data: bytes, ext: str, label: int) -> bytes:
-    """`<key>.<ext>` with the image's bytes, then `<key>.cls` with its label: WebDataset's layout.
-    The image's bytes start BLOCK bytes into the block."""
-    cls = str(label).encode()
-    parts = [member_header(f"{key}.{ext}", len(data)), data, bytes(padded(len(data)) - len(data))]
-    parts += [member_header(f"{key}.cls", len(cls)), cls, bytes(BLOCK - len(cls))]
-    return b"".join(parts)
-
-
-def block_size(length: int) -> int:
-    return BLOCK + padded(length) + 2 * BLOCK
 
 
 def extension(format: str) -> str:
@@ -197,7 +182,7 @@ def pack_chunk(partial: Path, chunk: Chunk) -> int:
         with tmp.open("wb") as f:
             for i in order[chunk.start : chunk.stop]:
                 data, ext, label, width, height, format, mode = read_sample(source, i)  # its errors: one line
-                f.write(sample_block(f"{i:08d}", data, ext, label))
+                f.write(sample_block(i, data, ext, label))
                 for key, value in zip(RECORDS, (len(data), label, width, height, ext, format, mode), strict=True):
                     records[key].append(value)
                 records["sha256"].append(hashlib.sha256(data).hexdigest())
@@ -215,42 +200,16 @@ def cannot_write(path: Path, exc: OSError) -> UserError:
     return UserError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {RERUN}")
 
 
-def write_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> tuple[str, int, str]:
-    """Copy byte ranges (part file, start, length) into shard `name`, end it as a tar, rename it whole.
-    (name, bytes, sha256)."""
-    h = hashlib.sha256()
-    tmp = out / f".{name}.tmp"
+def pack_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """Shard `name` of runs of the chunks' samples (part file, start, length): its entry of the index."""
     try:
-        with tmp.open("wb") as f:
-            for part, start, length in pieces:
-                _copy(partial / part, start, length, f, h)
-            end = bytes(2 * BLOCK)  # the end-of-archive marker
-            h.update(end)
-            f.write(end)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, out / name)
+        return write_shard(out, name, [(partial / part, start, length) for part, start, length in pieces])
     except OSError as exc:
         raise cannot_write(out / name, exc) from None
-    finally:
-        tmp.unlink(missing_ok=True)  # only whole shards stay
-    return name, size, h.hexdigest()
 
 
-def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
-    """`length` bytes of `part` from `start` into `f`, and into the hash `h`."""
-    with part.open("rb") as src:
-        src.seek(start)
-        while length:
-            buffer = src.read(min(COPY_BYTES, length))
-            h.update(buffer)
-            f.write(buffer)
-            length -= len(buffer)
-
-
-def _write_shard(args: tuple) -> tuple[str, int, str]:
-    return write_shard(*args)
+def _pack_shard(args: tuple) -> dict[str, Any]:
+    return pack_shard(*args)
 
 
 def _pack_chunk(args: tuple) -> int:
@@ -333,7 +292,7 @@ def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: in
             for k, length in enumerate(rec["length"]):
                 size = block_size(length)
                 if filled and filled + size > shard_bytes:
-                    names.append(f"{split}-{len(names):05d}.tar")
+                    names.append(shard_name(split, len(names)))
                     shards.append((names[-1], pieces))
                     pieces, filled = [], 0
                 if pieces and pieces[-1][0] == part and pieces[-1][1] + pieces[-1][2] == at:
@@ -345,25 +304,12 @@ def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: in
                 for key in RECORDS:
                     cols[key].append(rec[key][k])
                 filled, at = filled + size, at + size
-        names.append(f"{split}-{len(names):05d}.tar")  # every split has samples: the last shard is never empty
+        names.append(shard_name(split, len(names)))  # every split has samples: the last shard is never empty
         shards.append((names[-1], pieces))
         order = stored_order(len(cols["shard"]))  # stored position → sample: the index lists samples in order
         columns[split] = {**{key: [values[p] for p in np.argsort(order)] for key, values in cols.items()},
                           "names": names}  # fmt: skip
     return shards, columns
-
-
-def write_index(out: Path, classes: list[str], plan: dict, columns: dict[str, dict], written: dict[str, dict]) -> None:
-    """index.json, written last: from then on the pack is complete."""
-    index = {
-        "format": FORMAT, "version": VERSION, "multicard": __version__, "classes": classes,
-        "fingerprint": plan["fingerprint"], "source": plan["source"], "plan": plan, "splits": {},
-    }  # fmt: skip
-    for split, cols in columns.items():
-        index["splits"][split] = {"shards": [written[n] for n in cols.pop("names")], **cols}
-    index["digest"] = index_digest(index)
-    write_text_atomic(out / INDEX, json.dumps(index), RERUN)
-    (out / INDEX).chmod(0o644)  # readable by everyone, as the shards are (mkstemp makes it private)
 
 
 def samples_digest(stored: list[str], n: int) -> str | None:
@@ -376,13 +322,6 @@ def samples_digest(stored: list[str], n: int) -> str | None:
     for position, sample in enumerate(stored_order(n)):
         by_sample[sample] = bytes.fromhex(stored[position])
     return hashlib.sha256(b"".join(by_sample)).hexdigest()
-
-
-def index_digest(index: dict[str, Any]) -> str:
-    """What the index says, as one checksum: pack --verify tells an index changed after packing
-    (class names, source) from the one pack wrote."""
-    stated = {key: value for key, value in index.items() if key != "digest"}
-    return hashlib.sha256(json.dumps(stated, sort_keys=True).encode()).hexdigest()
 
 
 def _chunks_to_pack(
@@ -429,7 +368,7 @@ def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=N
     finally:  # a failed or stopped pack keeps its finished chunks and shards, and nothing half-written
         remove_temporaries(out)
         remove_temporaries(partial)
-    write_index(out, splits.classes, plan, index_columns, written)
+    write_index(out, index_document(splits.classes, plan, index_columns, written), RERUN)
     shutil.rmtree(partial, ignore_errors=True)
     total = sum(s["bytes"] for s in written.values())
     return (
@@ -464,8 +403,8 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
                 cols["samples_sha256"] = samples_digest(stored, plan["sizes"][split])
             writing = bar.add_task("writing shards", total=len(shards))
             written = {}
-            for name, size, digest in pool.imap_unordered(_write_shard, [(partial, out, n, p) for n, p in shards]):
-                written[name] = {"name": name, "bytes": size, "sha256": digest}
+            for entry in pool.imap_unordered(_pack_shard, [(partial, out, n, p) for n, p in shards]):
+                written[entry["name"]] = entry
                 bar.advance(writing)
     finally:
         _SPLITS = None
@@ -510,11 +449,7 @@ def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
 
 
 def _check_checksum(path: Path, expected: str) -> None:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while buffer := f.read(COPY_BYTES):
-            h.update(buffer)
-    if h.hexdigest() != expected:
+    if file_sha256(path) != expected:
         raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
 
 
@@ -529,7 +464,7 @@ def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, 
             if len(images) != len(mine) or len(labels) != len(mine):
                 raise UserError(f"shard {path} holds {len(members)} members, the index {2 * len(mine)}; pack again")
             for i, image, label in zip(mine.tolist(), images, labels, strict=True):
-                if (image.name, image.offset_data, image.size) != (f"{i:08d}.{ext[i]}", cols["offset"][i],
+                if (image.name, image.offset_data, image.size) != (f"{sample_key(i)}.{ext[i]}", cols["offset"][i],
                                                                    cols["length"][i]):  # fmt: skip
                     raise UserError(f"shard {path}: member {image.name} is not where the index says; pack again")
                 if tar.extractfile(label).read() != str(int(cols["label"][i])).encode():

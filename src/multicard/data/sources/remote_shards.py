@@ -14,15 +14,8 @@ import json
 from multicard.base.errors import UserError
 from multicard.base.storage import Remote
 from multicard.data.sources.folders import Splits
-from multicard.data.sources.shards import (
-    INDEX,
-    PackedSplit,
-    ShardSamples,
-    check_shards,
-    check_splits,
-    packed_splits,
-    parse_index,
-)
+from multicard.data.sources.shard_format import INDEX, PackedSplit, check_shards, check_splits, parse_index
+from multicard.data.sources.shards import ShardSamples, packed_splits
 
 
 class RemoteShardSamples(ShardSamples):
