@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,11 @@ from PIL import Image
 from multicard.base.atomic import remove_temporaries, write_text_atomic
 from multicard.base.config import READS_ROOT, DataConfig
 from multicard.base.errors import UserError
+from multicard.base.storage import Remote, check_url, is_url
 from multicard.data import capped_to_cores
 from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, opened
 from multicard.data.sources.folders import Files, Items, Source, Splits
+from multicard.data.sources.remote_shards import check_pack_prefix, remote_objects, upload_pack, uploaded_index
 from multicard.data.sources.shard_format import (
     BLOCK,
     COLUMNS,
@@ -51,7 +54,7 @@ from multicard.data.sources.shard_format import (
     block_size,
     check_shards,
     check_splits,
-    file_sha256,
+    file_digest,
     index_digest,
     index_document,
     read_index,
@@ -236,9 +239,8 @@ def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
     partial = out / PARTIAL
     if (out / INDEX).is_file():
         try:
-            index = json.loads((out / INDEX).read_text())
-            same = index.get("fingerprint") == plan["fingerprint"] and index.get("plan") == plan
-        except (OSError, ValueError):
+            same = same_plan(json.loads((out / INDEX).read_text()), plan)
+        except (OSError, ValueError, AttributeError):
             same = False
         if same:
             return "done"
@@ -345,18 +347,24 @@ def _chunks_to_pack(
     return partial, chunks, todo
 
 
+def pack_plan(d: DataConfig, splits: Splits, shard_mb: float) -> dict[str, Any]:
+    """What a pack is made of and how: the index keeps it, and a pack with another plan is made again."""
+    sizes = {"train": len(splits.train), "val": len(splits.val)}
+    return {
+        "fingerprint": fingerprint(splits), "source": describe(d), "shard_bytes": int(shard_mb * 2**20),
+        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": VERSION,
+        "stored_order_seed": STORED_ORDER_SEED,
+    }  # fmt: skip
+
+
 def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=None) -> str:
     """Pack the splits into options.out; the one-line summary of what was done."""
     from rich.console import Console
 
     console = progress_console or Console(stderr=True)
     out = options.out
-    sizes = {"train": len(splits.train), "val": len(splits.val)}
-    plan = {
-        "fingerprint": fingerprint(splits), "source": describe(d), "shard_bytes": int(options.shard_mb * 2**20),
-        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": VERSION,
-        "stored_order_seed": STORED_ORDER_SEED,
-    }  # fmt: skip
+    plan = pack_plan(d, splits, options.shard_mb)
+    sizes = plan["sizes"]
     state = _prepare_out(out, plan, lambda line: console.print(line, highlight=False))
     if state == "done":
         return f"{out} already holds this pack ({sum(sizes.values())} samples); multicard pack --verify {out} checks it"
@@ -449,7 +457,7 @@ def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
 
 
 def _check_checksum(path: Path, expected: str) -> None:
-    if file_sha256(path) != expected:
+    if file_digest(path) != expected:
         raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
 
 
@@ -503,7 +511,10 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     from multicard.data import read_splits
     from multicard.run.preflight import check_output_folder
 
-    check_local_path(out or verify, "--out" if out else "--verify")
+    if is_url(out or verify):
+        check_url(out or verify, "--out" if out else "--verify")
+    else:
+        check_local_path(out or verify, "--out" if out else "--verify")
     if verify:
         return verify_pack(Path(verify))
     if not out:
@@ -515,10 +526,46 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     cfg = load_config(config, overrides)
     if cfg.data.name == "shards":
         raise UserError("data.name=shards is packed already; name the dataset to pack (e.g. data.name=imagefolder)")
+    if is_url(out):
+        remote = Remote(out, cfg.data.read_retries)
+        check_pack_prefix(remote, remote_objects(remote))  # before reading the dataset
+        return pack_to_url(cfg.data, read_splits(cfg.data, cfg.seed), remote, shard_mb, workers)
     check_apart(Path(out), cfg.data)
     check_output_folder(out, "--out")  # a file in its path, or a folder that cannot be written
     check_out(Path(out))  # before reading the dataset
     return pack(cfg.data, read_splits(cfg.data, cfg.seed), PackOptions(Path(out), shard_mb, workers))
+
+
+def staging_folder(url: str) -> Path:
+    """Where a pack for `url` is made before it is uploaded: one folder per URL in the temporary
+    directory (TMPDIR), so that a rerun after an interruption continues from what was packed there."""
+    return Path(tempfile.gettempdir()) / f"multicard-pack-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def pack_to_url(d: DataConfig, splits: Splits, remote: Remote, shard_mb: float, workers: int,
+                progress_console=None) -> str:  # fmt: skip
+    """Pack into the staging folder, then upload the shards and the index last (upload_pack); the
+    staging folder goes once the index is up. The one-line summary."""
+    from rich.console import Console
+
+    console = progress_console or Console(stderr=True)
+    plan = pack_plan(d, splits, shard_mb)
+    if same_plan(uploaded_index(remote), plan):
+        return f"{remote.url} already holds this pack ({sum(plan['sizes'].values())} samples)"
+    staging = staging_folder(remote.url)
+    pack(d, splits, PackOptions(staging, shard_mb, workers), console)
+    uploaded, shards = upload_pack(staging, remote, lambda line: console.print(line, highlight=False))
+    shutil.rmtree(staging, ignore_errors=True)
+    there = f"{shards - uploaded} of them there already, " if uploaded < shards else ""
+    return (
+        f"packed {len(splits.train)} training and {len(splits.val)} validation samples into {shards} shard(s) "
+        f"in {remote.url} ({there}index.json uploaded last)"
+    )
+
+
+def same_plan(index: dict[str, Any] | None, plan: dict[str, Any]) -> bool:
+    """Whether a pack's index (None: no pack) is of this plan: the same source, packed the same way."""
+    return index is not None and index.get("fingerprint") == plan["fingerprint"] and index.get("plan") == plan
 
 
 def check_apart(out: Path, d: DataConfig) -> None:

@@ -34,6 +34,7 @@ PARTIAL = ".partial"  # chunks and the plan of an unfinished pack
 BLOCK = 512  # tar's block: every member is a 512-byte header, then its data padded to blocks
 COLUMNS = ("shard", "offset", "length", "label", "width", "height")  # per sample, in the index: integers
 HEADER = ("ext", "format", "mode")  # per sample, in the index: the image member's extension, Pillow's format and mode
+MD5 = re.compile(r"^[0-9a-f]{32}$")  # an object store's ETag that is its content's MD5
 SHARD_NAME = re.compile(r"^(?P<split>[a-z]+)-(?P<number>\d{5})\.tar$")  # train-00000.tar
 COPY_BYTES = 8 << 20
 
@@ -102,8 +103,9 @@ def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
             length -= len(buffer)
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """The file's hexdigest (sha256: the index's; md5: what an S3 ETag of a single-part upload is)."""
+    h = hashlib.new(algorithm, usedforsecurity=False)
     with path.open("rb") as f:
         while buffer := f.read(COPY_BYTES):
             h.update(buffer)
