@@ -18,7 +18,6 @@ already packed, or starts over when the source or the options changed, and says 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import multiprocessing
@@ -32,77 +31,36 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from PIL import Image
 
 from multicard.base.atomic import remove_temporaries, write_text_atomic
 from multicard.base.config import READS_ROOT, DataConfig
 from multicard.base.errors import UserError
 from multicard.base.storage import Remote, check_url, is_url
-from multicard.data import capped_to_cores
-from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, opened
-from multicard.data.sources.folders import Files, Items, Source, Splits
-from multicard.data.sources.remote_shards import check_pack_prefix, remote_objects, upload_pack, uploaded_index
-from multicard.data.sources.shard_format import (
-    BLOCK,
-    COLUMNS,
-    HEADER,
-    INDEX,
-    PARTIAL,
-    VERSION,
-    Index,
-    block_size,
-    check_shards,
-    check_splits,
-    file_digest,
-    index_digest,
-    index_document,
-    read_index,
-    sample_block,
-    sample_key,
-    shard_name,
-    write_index,
-    write_shard,
+from multicard.data import (
+    Files,
+    Items,
+    Splits,
+    capped_to_cores,
+    check_pack_prefix,
+    encoded_sample,
+    image_header,
+    remote_objects,
+    shard_format,
+    upload_pack,
+    uploaded_index,
 )
-from multicard.data.sources.user import read_item
 from multicard.runtime.exits import die_with_parent
 from multicard.runtime.process_group import cpu_cores
 
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
-EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
 STORED_ORDER_SEED = 0
-RECORDS = ("length", "label", "width", "height", *HEADER)  # what reading a chunk's samples tells, per sample
+# what reading a chunk's samples tells, per sample
+RECORDS = ("length", "label", "width", "height", *shard_format.HEADER)
 # What a failed write of a pack (disk full, quota) advises: what was finished is kept, the rest removed.
 RERUN = "free space or choose another --out, then run the same command: it continues from the chunks already packed"
 
 
 # ---------------------------------------------------------------- what one sample becomes
-
-
-def extension(format: str) -> str:
-    """The image member's extension for Pillow's format name."""
-    return EXTENSIONS.get(format, (format or "img").lower())
-
-
-def _png(pixels: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    hwc = np.ascontiguousarray(pixels.numpy().transpose(1, 2, 0))  # numpy: no torch thread pool in a forked process
-    Image.fromarray(hwc).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
-
-
-def read_sample(source: Source, i: int) -> tuple[bytes, str, int, int, int, str, str]:
-    """(encoded bytes, extension, label, width, height, format, mode) of sample i; only a file's header is parsed."""
-    if isinstance(source, Files):
-        image, label = EncodedImage.read(source.root / source.paths[i]), int(source.labels[i])
-    elif isinstance(source, Items):
-        image, label = read_item(source, i)
-        label = int(label)
-    else:
-        image, label = source.images[i], int(source.labels[i])
-    if isinstance(image, EncodedImage):
-        return image.data, extension(image.format or ""), label, *image.size, image.format or "", image.mode
-    return _png(image), "png", label, image.shape[-1], image.shape[-2], "PNG", "RGB"
 
 
 # ---------------------------------------------------------------- the plan: chunks of each split
@@ -184,8 +142,8 @@ def pack_chunk(partial: Path, chunk: Chunk) -> int:
     try:
         with tmp.open("wb") as f:
             for i in order[chunk.start : chunk.stop]:
-                data, ext, label, width, height, format, mode = read_sample(source, i)  # its errors: one line
-                f.write(sample_block(i, data, ext, label))
+                data, ext, label, width, height, format, mode = encoded_sample(source, i)  # its errors: one line
+                f.write(shard_format.sample_block(i, data, ext, label))
                 for key, value in zip(RECORDS, (len(data), label, width, height, ext, format, mode), strict=True):
                     records[key].append(value)
                 records["sha256"].append(hashlib.sha256(data).hexdigest())
@@ -206,7 +164,7 @@ def cannot_write(path: Path, exc: OSError) -> UserError:
 def pack_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> dict[str, Any]:
     """Shard `name` of runs of the chunks' samples (part file, start, length): its entry of the index."""
     try:
-        return write_shard(out, name, [(partial / part, start, length) for part, start, length in pieces])
+        return shard_format.write_shard(out, name, [(partial / part, start, length) for part, start, length in pieces])
     except OSError as exc:
         raise cannot_write(out / name, exc) from None
 
@@ -236,16 +194,16 @@ def describe(d: DataConfig) -> str:
 
 def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
     """'fresh', 'continuing', 'done' or 'starting over': what the folder holds, made ready for this plan."""
-    partial = out / PARTIAL
-    if (out / INDEX).is_file():
+    partial = out / shard_format.PARTIAL
+    if (out / shard_format.INDEX).is_file():
         try:
-            same = same_plan(json.loads((out / INDEX).read_text()), plan)
+            same = same_plan(json.loads((out / shard_format.INDEX).read_text()), plan)
         except (OSError, ValueError, AttributeError):
             same = False
         if same:
             return "done"
         say(f"multicard pack: starting over in {out}: its pack was made from another source or with other options")
-        (out / INDEX).unlink()  # first: from here on the folder no longer looks complete
+        (out / shard_format.INDEX).unlink()  # first: from here on the folder no longer looks complete
         _clear(out)
         return "starting over"
     if partial.is_dir():
@@ -264,14 +222,14 @@ def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
 
 def check_out(out: Path) -> None:
     """A new or empty folder, or one holding a pack (finished or not): never another's files."""
-    if (out / INDEX).is_file() or (out / PARTIAL).is_dir():
+    if (out / shard_format.INDEX).is_file() or (out / shard_format.PARTIAL).is_dir():
         return
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and holds no pack; choose a new or empty folder")
 
 
 def _clear(out: Path) -> None:
-    shutil.rmtree(out / PARTIAL, ignore_errors=True)
+    shutil.rmtree(out / shard_format.PARTIAL, ignore_errors=True)
     for path in out.glob("*.tar"):
         path.unlink()
     for path in out.glob(".*.tmp"):
@@ -285,16 +243,16 @@ def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: in
     shards: list[tuple[str, list[tuple[str, int, int]]]] = []
     columns = {}
     for split in dict.fromkeys(c.split for c in chunks):
-        cols: dict[str, list] = {key: [] for key in (*COLUMNS, *HEADER)}
+        cols: dict[str, list] = {key: [] for key in (*shard_format.COLUMNS, *shard_format.HEADER)}
         names: list[str] = []
         pieces: list[tuple[str, int, int]] = []
         filled = 0  # bytes of the shard being planned
         for chunk in (c for c in chunks if c.split == split):
             rec, part, at = records[chunk.name], f"{chunk.name}.part", 0
             for k, length in enumerate(rec["length"]):
-                size = block_size(length)
+                size = shard_format.block_size(length)
                 if filled and filled + size > shard_bytes:
-                    names.append(shard_name(split, len(names)))
+                    names.append(shard_format.shard_name(split, len(names)))
                     shards.append((names[-1], pieces))
                     pieces, filled = [], 0
                 if pieces and pieces[-1][0] == part and pieces[-1][1] + pieces[-1][2] == at:
@@ -302,11 +260,12 @@ def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: in
                 else:
                     pieces.append((part, at, size))
                 cols["shard"].append(len(names))
-                cols["offset"].append(filled + BLOCK)
+                cols["offset"].append(filled + shard_format.BLOCK)
                 for key in RECORDS:
                     cols[key].append(rec[key][k])
                 filled, at = filled + size, at + size
-        names.append(shard_name(split, len(names)))  # every split has samples: the last shard is never empty
+        # every split has samples: the last shard is never empty
+        names.append(shard_format.shard_name(split, len(names)))
         shards.append((names[-1], pieces))
         order = stored_order(len(cols["shard"]))  # stored position → sample: the index lists samples in order
         columns[split] = {**{key: [values[p] for p in np.argsort(order)] for key, values in cols.items()},
@@ -330,7 +289,7 @@ def _chunks_to_pack(
     out: Path, plan: dict[str, Any], sizes: dict[str, int], continuing: bool, console: Any
 ) -> tuple[Path, list[Any], list[Any]]:
     """The unfinished pack's folder (made, with the plan in it), every chunk, and those not packed yet."""
-    partial = out / PARTIAL
+    partial = out / shard_format.PARTIAL
     try:
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -352,7 +311,7 @@ def pack_plan(d: DataConfig, splits: Splits, shard_mb: float) -> dict[str, Any]:
     sizes = {"train": len(splits.train), "val": len(splits.val)}
     return {
         "fingerprint": fingerprint(splits), "source": describe(d), "shard_bytes": int(shard_mb * 2**20),
-        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": VERSION,
+        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": shard_format.VERSION,
         "stored_order_seed": STORED_ORDER_SEED,
     }  # fmt: skip
 
@@ -376,7 +335,7 @@ def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=N
     finally:  # a failed or stopped pack keeps its finished chunks and shards, and nothing half-written
         remove_temporaries(out)
         remove_temporaries(partial)
-    write_index(out, index_document(splits.classes, plan, index_columns, written), RERUN)
+    shard_format.write_index(out, shard_format.index_document(splits.classes, plan, index_columns, written), RERUN)
     shutil.rmtree(partial, ignore_errors=True)
     total = sum(s["bytes"] for s in written.values())
     return (
@@ -391,7 +350,7 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
     from rich import progress
 
     global _SPLITS
-    partial = out / PARTIAL
+    partial = out / shard_format.PARTIAL
     columns = [progress.TextColumn("{task.description}"), progress.BarColumn(), progress.MofNCompleteColumn(),
                progress.TimeElapsedColumn(), progress.TextColumn("ETA"), progress.TimeRemainingColumn()]  # fmt: skip
     _SPLITS = splits
@@ -423,28 +382,28 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
 
 
 def verify_pack(out: Path) -> str:
-    """Everything the index states: its entries (read_index: inside their shards, labels of its
+    """Everything the index states: its entries (shard_format.read_index: inside their shards, labels of its
     classes), both splits with the counts the pack planned, every shard whole (size, sha256), its
     members where the index says with the index's labels, each image's size, format and mode as
     the index gives them, the checksum of each split's samples, and the index as pack wrote it
     (its digest: class names, source)."""
-    index = read_index(out, f"--verify {out}")
+    index = shard_format.read_index(out, f"--verify {out}")
     raw = json.loads(index.path.read_text())
-    check_splits(index)
+    shard_format.check_splits(index)
     samples = sum(_verify_split(index, raw, name) for name in index.splits)
-    if "digest" in raw and raw["digest"] != index_digest(raw):  # packs of before the digest have none
+    if "digest" in raw and raw["digest"] != shard_format.index_digest(raw):  # packs of before the digest have none
         raise UserError(f"index {index.path} was changed after packing (its class names or source differ); pack again")
     shards = sum(len(s.shards) for s in index.splits.values())
     return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels, images)"
 
 
-def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
+def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str) -> int:
     """verify_pack's checks of one split; its number of samples."""
     split = index.splits[name]
     planned = raw.get("plan", {}).get("sizes", {}).get(name, len(split))
     if planned != len(split):
         raise UserError(f"index {index.path} lists {len(split)} {name} samples, its pack {planned}; pack again")
-    check_shards(split)
+    shard_format.check_shards(split)
     hashes = [b""] * len(split)  # each sample's sha256, filled by the members' check
     for number, path in enumerate(split.shards):
         _check_checksum(path, raw["splits"][name]["shards"][number]["sha256"])
@@ -457,11 +416,12 @@ def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
 
 
 def _check_checksum(path: Path, expected: str) -> None:
-    if file_digest(path) != expected:
+    if shard_format.file_digest(path) != expected:
         raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
 
 
-def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, hashes: list[bytes]) -> None:
+def _check_members(index: shard_format.Index, split_name: str, path: Path, mine: np.ndarray,
+                   hashes: list[bytes]) -> None:  # fmt: skip
     """The shard's members are the samples `mine` (in stored order) where the index says, with its
     labels and headers; each one's sha256 into `hashes`."""
     cols, ext = index.splits[split_name].columns, index.splits[split_name].header["ext"]
@@ -472,8 +432,8 @@ def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, 
             if len(images) != len(mine) or len(labels) != len(mine):
                 raise UserError(f"shard {path} holds {len(members)} members, the index {2 * len(mine)}; pack again")
             for i, image, label in zip(mine.tolist(), images, labels, strict=True):
-                if (image.name, image.offset_data, image.size) != (f"{sample_key(i)}.{ext[i]}", cols["offset"][i],
-                                                                   cols["length"][i]):  # fmt: skip
+                member = f"{shard_format.sample_key(i)}.{ext[i]}"
+                if (image.name, image.offset_data, image.size) != (member, cols["offset"][i], cols["length"][i]):
                     raise UserError(f"shard {path}: member {image.name} is not where the index says; pack again")
                 if tar.extractfile(label).read() != str(int(cols["label"][i])).encode():
                     raise UserError(f"shard {path}: the label of {image.name} differs from the index; pack again")
@@ -484,15 +444,14 @@ def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, 
         raise UserError(f"shard {path} is not a readable tar file ({exc}); pack again") from None
 
 
-def _check_header(index: Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
+def _check_header(index: shard_format.Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
     """Sample i's width, height, format, mode and extension in the index are its image's (a crop plan uses them)."""
     split = index.splits[split_name]
     header = [split.header[key][i] for key in ("format", "mode", "ext")]
     stated = (int(split.columns["width"][i]), int(split.columns["height"][i]), *header)
     try:
-        with opened(data) as image:
-            found = (*image.size, image.format or "", image.mode, extension(image.format or ""))
-    except PIL_ERRORS as exc:
+        found = image_header(data)
+    except ValueError as exc:
         raise UserError(
             f"shard {shard}: sample {i} of split {split_name} is no readable image ({exc}); pack again"
         ) from None
