@@ -111,6 +111,22 @@ def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, refe
     assert not staging_folder(url).exists()  # the staging folder goes once the index is up
     uploads.clear()
     assert pack_to(url) == f"{url} already holds this pack (50 samples)"  # nothing packed or uploaded again
+    assert uploads == []
+
+
+@pytest.mark.slow
+def test_35_12_pack_verify_url_checks_the_objects_and_names_a_changed_shard(s3, reference, capsys):
+    url = f"s3://{BUCKET}/verified"
+    s3.put(f"{reference}/", f"{BUCKET}/verified/", recursive=True)
+    assert main(["pack", "--verify", url]) == 0
+    assert f"{url}: 50 samples in 13 shard(s) verified" in capsys.readouterr().out
+    size = s3.size(f"{BUCKET}/verified/train-00001.tar")
+    s3.pipe(f"{BUCKET}/verified/train-00001.tar", bytes(size))  # the same size, other bytes
+    assert main(["pack", "--verify", url]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"multicard: error: shard {url}/train-00001.tar does not hold what was packed (its checksum differs); "
+        f"pack again"
+    )
 
 
 def _killed_at(url: str, point: int) -> int:

@@ -49,6 +49,7 @@ from multicard.data.sources.folders import (
 from multicard.data.sources.ranks import check_same_across_ranks
 from multicard.data.sources.remote_shards import (
     check_pack_prefix,
+    read_remote_index,
     remote_objects,
     remote_shard_splits,
     upload_pack,
@@ -65,7 +66,7 @@ __all__ = [
     "read_splits", "Splits", "Source", "Files", "Items", "InMemory", "sample_list_fingerprint", "EncodedImage",
     "encoded_sample", "image_header", "to_picture", "prefetch_items",
     # packs: the shard format (data/sources/shard_format.py), and packs on object storage
-    "shard_format", "check_pack_prefix", "remote_objects", "upload_pack", "uploaded_index",
+    "shard_format", "check_pack_prefix", "read_remote_index", "remote_objects", "upload_pack", "uploaded_index",
     # loaders
     "build_data", "Data", "BatchSplit", "repeats_note", "loader_processes", "loader_for", "capped_to_cores",
     "to_device", "is_small", "default_cache_dir",

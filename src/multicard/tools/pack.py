@@ -18,6 +18,7 @@ already packed, or starts over when the source or the options changed, and says 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import multiprocessing
@@ -26,9 +27,10 @@ import shutil
 import signal
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -44,6 +46,7 @@ from multicard.data import (
     check_pack_prefix,
     encoded_sample,
     image_header,
+    read_remote_index,
     remote_objects,
     shard_format,
     upload_pack,
@@ -381,52 +384,62 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
 # ---------------------------------------------------------------- verify
 
 
-def verify_pack(out: Path) -> str:
+def verify_pack(out: Path | str) -> str:
     """Everything the index states: its entries (shard_format.read_index: inside their shards, labels of its
     classes), both splits with the counts the pack planned, every shard whole (size, sha256), its
     members where the index says with the index's labels, each image's size, format and mode as
     the index gives them, the checksum of each split's samples, and the index as pack wrote it
-    (its digest: class names, source)."""
-    index = shard_format.read_index(out, f"--verify {out}")
-    raw = json.loads(index.path.read_text())
+    (its digest: class names, source). `out`: a folder, or a URL (each shard read whole, one at a time)."""
+    index, raw, open_shard = _pack_at(out)
     shard_format.check_splits(index)
-    samples = sum(_verify_split(index, raw, name) for name in index.splits)
+    samples = sum(_verify_split(index, raw, name, open_shard) for name in index.splits)
     if "digest" in raw and raw["digest"] != shard_format.index_digest(raw):  # packs of before the digest have none
         raise UserError(f"index {index.path} was changed after packing (its class names or source differ); pack again")
     shards = sum(len(s.shards) for s in index.splits.values())
     return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels, images)"
 
 
-def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str) -> int:
+def _pack_at(out: Path | str) -> tuple[shard_format.Index, dict[str, Any], Callable[[Any], BinaryIO]]:
+    """The index of the pack in a folder or at a URL (its shards' sizes checked), its JSON, and how a
+    shard's bytes are opened."""
+    if is_url(str(out)):
+        remote = Remote(str(out), DataConfig().read_retries)
+        index, raw = read_remote_index(remote, f"--verify {remote.url}")
+        return index, raw, lambda url: io.BytesIO(remote.read(url.rsplit("/", 1)[-1]))
+    index = shard_format.read_index(Path(out), f"--verify {out}")
+    for split in index.splits.values():
+        shard_format.check_shards(split)
+    return index, json.loads(index.path.read_text()), lambda path: path.open("rb")
+
+
+def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str,
+                  open_shard: Callable[[Any], BinaryIO]) -> int:  # fmt: skip
     """verify_pack's checks of one split; its number of samples."""
     split = index.splits[name]
     planned = raw.get("plan", {}).get("sizes", {}).get(name, len(split))
     if planned != len(split):
         raise UserError(f"index {index.path} lists {len(split)} {name} samples, its pack {planned}; pack again")
-    shard_format.check_shards(split)
     hashes = [b""] * len(split)  # each sample's sha256, filled by the members' check
     for number, path in enumerate(split.shards):
-        _check_checksum(path, raw["splits"][name]["shards"][number]["sha256"])
         mine = np.flatnonzero(split.columns["shard"] == number)
         mine = mine[np.argsort(split.columns["offset"][mine])]  # in the order they are stored
-        _check_members(index, name, path, mine, hashes)
+        with open_shard(path) as f:
+            if shard_format.stream_digest(f) != raw["splits"][name]["shards"][number]["sha256"]:
+                raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
+            f.seek(0)
+            _check_members(index, name, path, f, mine, hashes)
     if split.samples_sha256 is not None and hashlib.sha256(b"".join(hashes)).hexdigest() != split.samples_sha256:
         raise UserError(f"index {index.path}: the checksum of the {name} samples differs from its record; pack again")
     return len(split)
 
 
-def _check_checksum(path: Path, expected: str) -> None:
-    if shard_format.file_digest(path) != expected:
-        raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
-
-
-def _check_members(index: shard_format.Index, split_name: str, path: Path, mine: np.ndarray,
+def _check_members(index: shard_format.Index, split_name: str, path: Path | str, f: BinaryIO, mine: np.ndarray,
                    hashes: list[bytes]) -> None:  # fmt: skip
     """The shard's members are the samples `mine` (in stored order) where the index says, with its
     labels and headers; each one's sha256 into `hashes`."""
     cols, ext = index.splits[split_name].columns, index.splits[split_name].header["ext"]
     try:
-        with tarfile.open(path) as tar:
+        with tarfile.open(fileobj=f) as tar:
             members = tar.getmembers()
             images, labels = members[0::2], members[1::2]
             if len(images) != len(mine) or len(labels) != len(mine):
@@ -475,7 +488,7 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     else:
         check_local_path(out or verify, "--out" if out else "--verify")
     if verify:
-        return verify_pack(Path(verify))
+        return verify_pack(verify)
     if not out:
         raise UserError("multicard pack needs --out DIR (the folder to pack into), or --verify DIR")
     if not shard_mb > 0:

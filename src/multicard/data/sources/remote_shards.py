@@ -23,6 +23,7 @@ from multicard.data.sources.shard_format import (
     INDEX,
     MD5,
     SHARD_NAME,
+    Index,
     PackedSplit,
     check_shards,
     check_splits,
@@ -51,6 +52,14 @@ def remote_shard_splits(url: str, reads_in_flight: int, retries: int) -> Splits:
     """The training and validation splits of a pack at `url` (its index read, its shards' sizes checked)."""
     remote = Remote(url, retries)
     what = f"data.root={remote.url}"
+    index, _ = read_remote_index(remote, what)
+    return packed_splits(index, lambda split: RemoteShardSamples(split, remote, reads_in_flight), what)
+
+
+def read_remote_index(remote: Remote, what: str) -> tuple[Index, dict[str, Any]]:
+    """The index of the pack at the URL, checked (shard_format.parse_index), with both splits and every
+    shard there with the size it gives (one listing), and its JSON; else one line. `what`: how the URL
+    was given."""
     sizes = {remote.join(name): size for name, size in remote.sizes().items()}  # no bucket or prefix: one line
     if remote.join(INDEX) not in sizes:
         if any(SHARD_NAME.match(url.rsplit("/", 1)[-1]) for url in sizes):
@@ -73,7 +82,7 @@ def remote_shard_splits(url: str, reads_in_flight: int, retries: int) -> Splits:
     check_splits(index)
     for name in ("train", "val"):
         check_shards(index.splits[name], sizes.get)
-    return packed_splits(index, lambda split: RemoteShardSamples(split, remote, reads_in_flight), what)
+    return index, raw
 
 
 # ---------------------------------------------------------------- writing: `multicard pack --out URL`

@@ -105,10 +105,15 @@ def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
 
 def file_digest(path: Path, algorithm: str = "sha256") -> str:
     """The file's hexdigest (sha256: the index's; md5: what an S3 ETag of a single-part upload is)."""
-    h = hashlib.new(algorithm, usedforsecurity=False)
     with path.open("rb") as f:
-        while buffer := f.read(COPY_BYTES):
-            h.update(buffer)
+        return stream_digest(f, algorithm)
+
+
+def stream_digest(f: Any, algorithm: str = "sha256") -> str:
+    """The hexdigest of what is left to read of a binary file."""
+    h = hashlib.new(algorithm, usedforsecurity=False)
+    while buffer := f.read(COPY_BYTES):
+        h.update(buffer)
     return h.hexdigest()
 
 
