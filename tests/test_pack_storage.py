@@ -95,15 +95,10 @@ def samples(root: str | Path) -> list[tuple[bytes, int]]:
 
 
 @pytest.mark.slow
-def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, reference, capsys):
+def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, reference, capsys, monkeypatch):
     url = f"s3://{BUCKET}/cifar"
-    uploads: list[str] = []
-    real = remote_shards.upload_object
-    remote_shards.upload_object = lambda remote, local, name: uploads.append(name) or real(remote, local, name)
-    try:
-        assert main(["pack", "--out", url, *DATA, "--shard-mb", str(SHARD_MB), "--workers", "1"]) == 0
-    finally:
-        remote_shards.upload_object = real
+    uploads = recorded_uploads(monkeypatch)
+    assert main(["pack", "--out", url, *DATA, "--shard-mb", str(SHARD_MB), "--workers", "1"]) == 0
     assert "into 13 shard(s) in s3://packed-out/cifar (index.json uploaded last)" in capsys.readouterr().out
     assert uploads[-1] == INDEX and sorted(uploads) == sorted(local_files(reference))  # each once, the index last
     assert objects(s3, url) == local_files(reference)
@@ -165,7 +160,7 @@ def _killed_at(url: str, point: int) -> int:
 
 
 @pytest.mark.slow
-def test_35_10_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_it(s3, reference):
+def test_35_10_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_it(s3, reference, monkeypatch):
     expected = {name: hashlib.md5(data).hexdigest() for name, data in local_files(reference).items()}
     uploads = len(expected)
     points = sorted(random.Random(35).sample(range(2 * uploads), KILL_POINTS))
@@ -193,27 +188,30 @@ def test_35_10_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_i
             name = sorted(there)[0]
             s3.pipe(f"{BUCKET}/killed-{n}/{name}", bytes(s3.size(f"{BUCKET}/killed-{n}/{name}")))
             there[name] = ""
-        resumed = _count_uploads(url)
+        with monkeypatch.context() as patch:
+            resumed = recorded_uploads(patch)
+            pack_to(url)
         assert sorted(resumed) == sorted(name for name in expected if there.get(name) != expected[name]), point
         assert md5s(s3, url) == expected  # the objects are the local pack's bytes
         read_splits(shards_config(url), 0)
 
 
-def _count_uploads(url: str) -> list[str]:
+def recorded_uploads(monkeypatch) -> list[str]:
+    """The names of the objects this process uploads from now on, in order."""
     uploads: list[str] = []
     real = remote_shards.upload_object
-    remote_shards.upload_object = lambda remote, local, name: uploads.append(name) or real(remote, local, name)
-    try:
-        pack_to(url)
-    finally:
-        remote_shards.upload_object = real
+    monkeypatch.setattr(remote_shards, "upload_object", lambda remote, local, name: uploads.append(name)
+                        or real(remote, local, name))  # fmt: skip
     return uploads
 
 
-def test_35_11_pack_out_a_url_of_an_unknown_scheme_or_over_other_objects_is_one_line(s3, tmp_path, monkeypatch):
+def test_35_11_pack_out_a_url_of_an_unknown_scheme_a_missing_bucket_or_other_objects_is_one_line(
+        s3, tmp_path, monkeypatch):  # fmt: skip
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"^--out=nosuch://b/p: nosuch:// is no storage protocol fsspec knows"):
         pack_to("nosuch://b/p")
+    with pytest.raises(UserError, match=r"^s3://no-such-bucket/p does not exist \(FileNotFoundError: "):
+        pack_to("s3://no-such-bucket/p")
     s3.pipe(f"{BUCKET}/other/notes.txt", b"not a pack")
     with pytest.raises(UserError) as refused:
         pack_to(f"s3://{BUCKET}/other")

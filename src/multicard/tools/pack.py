@@ -1,7 +1,9 @@
-"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (data/sources/shards.py).
+"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (the format:
+data/sources/shard_format.py; its readers: data/sources/shards.py, remote_shards.py).
 
     multicard pack --out /shared/cifar10-shards data.name=imagefolder data.root=/data/cifar10
     multicard pack --verify /shared/cifar10-shards
+    multicard pack --out s3://bucket/cifar10-shards data.name=imagefolder data.root=/data/cifar10
 
 The dataset is what `data.*` names (an image folder, CIFAR-10, a dataset function, a Hugging Face
 dataset), split as training would split it. Image files keep their encoded bytes; images that come
@@ -13,6 +15,10 @@ no image is decoded) into tar members in `.partial/`; then processes copy runs o
 shards of about `--shard-mb`. Everything is written under a temporary name and renamed when whole, and the
 index comes last, so an interrupted pack never looks complete; a rerun continues from the chunks
 already packed, or starts over when the source or the options changed, and says which.
+
+`--out URL` (any fsspec URL): the pack is made so in a staging folder (`staging_folder`), then its
+shards are uploaded and its index last, the commit (remote_shards.upload_pack); a rerun completes an
+interrupted upload, leaving the shards that are there whole.
 """
 
 from __future__ import annotations
