@@ -107,6 +107,10 @@ def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, refe
     uploads.clear()
     assert pack_to(url) == f"{url} already holds this pack (50 samples)"  # nothing packed or uploaded again
     assert uploads == []
+    capsys.readouterr()
+    assert "into 4 shard(s)" in run_pack(None, DATA, url, None, 4 * SHARD_MB, 1)  # other options: replaced
+    assert f"replacing the pack in {url}: it was made from another source or other options" in capsys.readouterr().err
+    assert uploads[-1] == INDEX and sorted(objects(s3, url)) == sorted(uploads)  # the old shards removed
 
 
 @pytest.mark.slow

@@ -532,7 +532,7 @@ def pack_to_url(d: DataConfig, splits: Splits, remote: Remote, shard_mb: float, 
         return f"{remote.url} already holds this pack ({sum(plan['sizes'].values())} samples)"
     staging = staging_folder(remote.url)
     pack(d, splits, PackOptions(staging, shard_mb, workers), console)
-    uploaded, shards = upload_pack(staging, remote, lambda line: console.print(line, highlight=False))
+    uploaded, shards = upload_pack(staging, remote, lambda line: console.print(line, highlight=False, soft_wrap=True))
     shutil.rmtree(staging, ignore_errors=True)
     there = f"{shards - uploaded} of them there already, " if uploaded < shards else ""
     return (
