@@ -72,14 +72,14 @@ def test_parse_devices():
 
 
 def test_a_url_for_a_path_is_one_line_and_makes_no_local_folder(tmp_path, monkeypatch, capsys):
-    """s3://bucket/x as out_dir, data.root or pack --out was a folder named `s3:` here (issue 35); a pack's
-    data.root may be a URL, and checkpoint.dir, train.resume, model.weights, eval --checkpoint and export
-    (tests/test_object_storage.py, tests/test_checkpoint_storage.py)."""
+    """s3://bucket/x as out_dir, data.root or verify --keep was a folder named `s3:` here (issue 35); a
+    pack's data.root may be a URL, and checkpoint.dir, train.resume, model.weights, eval --checkpoint,
+    export and pack --out (tests/test_object_storage.py, test_checkpoint_storage.py, test_pack_storage.py)."""
     from multicard.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     for args in (["train", "out_dir=s3://bucket/run"], ["train", "data.name=imagefolder", "data.root=gs://b/pack"],
-                 ["pack", "--out", "s3://bucket/x"], ["train", "data.val_root=az://c/val"]):  # fmt: skip
+                 ["verify", "--keep", "s3://bucket/x"], ["train", "data.val_root=az://c/val"]):  # fmt: skip
         assert main(args) == 2
         line = capsys.readouterr().err.strip()
         assert "://" in line and "is a URL" in line and "\n" not in line, line

@@ -258,3 +258,28 @@ def test_one_module_runs_backward():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
                 callers.add(name)
     assert callers == {"multicard.engine.loop"}, callers
+
+
+def public_names(package: str) -> set[str]:
+    """The names a package's `__init__` declares in `__all__`."""
+    for node in ast.parse(module_path(package).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def test_tools_and_the_command_line_use_the_data_layer_through_its_public_surface():
+    """Issue 36: tools/ and cli/ import `multicard.data`, the package, and only the names its `__all__`
+    declares — never a module of its stage folders (sources, decoding, augmentation, loading)."""
+    surface = public_names("multicard.data")
+    assert {"read_splits", "build_data", "shard_format"} <= surface
+    known, inside = modules(), []
+    for name, path in known.items():
+        if not name.startswith(("multicard.tools", "multicard.cli")):
+            continue
+        for imp in imports_of(name, path, known):
+            if imp.target.startswith("multicard.data."):
+                inside.append(f"{imp.where()} imports {imp.target}")
+            elif imp.target == "multicard.data" and set(imp.names) - surface:
+                inside.append(f"{imp.where()} imports {sorted(set(imp.names) - surface)}: not in its __all__")
+    assert not inside, "imports of the data layer's insides:\n" + "\n".join(inside)

@@ -12,8 +12,7 @@ from multicard.base.config import Config, config_from_dict, to_dict
 from multicard.base.errors import UserError
 from multicard.checkpoint import Checkpointer, check_model_fits, read_checkpoint
 from multicard.checkpoint.compat import check_classes
-from multicard.data import build_data
-from multicard.data.loading.sampling import repeats_note
+from multicard.data import build_data, repeats_note
 from multicard.engine.trainer import EvalResult, evaluate
 from multicard.observe.telemetry import Reporter
 from multicard.run.preflight import check_run, prepare_out_dir

@@ -383,12 +383,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _check_local_paths(args: argparse.Namespace) -> None:
-    """The command line's own paths are local ones (config paths: config.check_paths)."""
+    """The command line's own paths are local ones (config paths: config.check_paths), but pack's
+    --out and --verify, which may be URLs (tools/pack.py checks them)."""
+    urls = ("out", "verify") if args.command == "pack" else ()
     for flag in ("checkpoint", "out", "verify", "keep", "config"):
         value = getattr(args, flag, None)
         if flag == "checkpoint" and is_url(value):  # eval --checkpoint URL, export URL: read through fsspec
             check_url(value, "--checkpoint")
-        elif isinstance(value, str):
+        elif isinstance(value, str) and flag not in urls:
             check_local_path(value, f"--{flag}")
     for run_dir in getattr(args, "runs", None) or []:
         check_local_path(run_dir, "RUN_DIR")

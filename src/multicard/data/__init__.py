@@ -1,4 +1,9 @@
-"""Datasets and loaders: `build_data` is the one entry point the engine uses."""
+"""Datasets and loaders: `build_data` is the one entry point the engine uses.
+
+This package is the data layer's public surface (`__all__`): the tools and the command line import
+from `multicard.data` only, never its stage folders (sources, decoding, augmentation, loading), so
+that those can change behind it (tests/test_structure.py checks it).
+"""
 
 from __future__ import annotations
 
@@ -25,8 +30,11 @@ from multicard.data.decoding.gpu_decode import GpuDecode
 from multicard.data.decoding.jpeg_crop import JpegTransform, collate_encoded
 from multicard.data.loading.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
 from multicard.data.loading.loaders import EvalLoader, TrainLoader
-from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler
+from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, repeats_note
+from multicard.data.loading.transfer import to_device
 from multicard.data.loading.workers import Transform, WorkerEvalLoader, WorkerTrainLoader
+from multicard.data.sources import shard_format
+from multicard.data.sources.encoded import EncodedImage
 from multicard.data.sources.folders import (
     Files,
     InMemory,
@@ -39,11 +47,30 @@ from multicard.data.sources.folders import (
     scan_folder,
 )
 from multicard.data.sources.ranks import check_same_across_ranks
-from multicard.data.sources.remote_shards import remote_shard_splits
-from multicard.data.sources.shards import ShardSamples, order_of, shard_splits
+from multicard.data.sources.remote_shards import (
+    check_pack_prefix,
+    read_remote_index,
+    remote_objects,
+    remote_shard_splits,
+    upload_pack,
+    uploaded_index,
+)
+from multicard.data.sources.samples import encoded_sample, image_header
+from multicard.data.sources.shards import ShardSamples, order_of, prefetch_items, shard_splits
 from multicard.data.sources.synthetic import CLASSES, make_synthetic
-from multicard.data.sources.user import decode_items, function_splits
+from multicard.data.sources.user import decode_items, function_splits, to_picture
 from multicard.runtime.process_group import ProcessContext, cpu_cores
+
+__all__ = [
+    # a config's sources, and their samples
+    "read_splits", "Splits", "Source", "Files", "Items", "InMemory", "sample_list_fingerprint", "EncodedImage",
+    "encoded_sample", "image_header", "to_picture", "prefetch_items",
+    # packs: the shard format (data/sources/shard_format.py), and packs on object storage
+    "shard_format", "check_pack_prefix", "read_remote_index", "remote_objects", "upload_pack", "uploaded_index",
+    # loaders
+    "build_data", "Data", "BatchSplit", "repeats_note", "loader_processes", "loader_for", "capped_to_cores",
+    "to_device", "is_small", "default_cache_dir",
+]  # fmt: skip
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's
 MEMORY_SHARE = 4  # auto uses the device loader when the decoded data takes at most 1/4 of memory

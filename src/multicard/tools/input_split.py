@@ -25,11 +25,7 @@ from pathlib import Path
 import torch
 
 from multicard.base.config import Config
-from multicard.data.loading.transfer import to_device
-from multicard.data.sources.encoded import EncodedImage
-from multicard.data.sources.folders import Files, Items, Source
-from multicard.data.sources.shards import prefetch_items
-from multicard.data.sources.user import to_picture
+from multicard.data import EncodedImage, Files, Items, Source, prefetch_items, to_device, to_picture
 from multicard.runtime.process_group import ProcessContext
 
 STAGES = ("read", "decode", "augment", "to_device")
@@ -85,8 +81,7 @@ def _decode(source: Source, raw: object, i: int) -> torch.Tensor:
 
 def measure_rank(cfg: Config, rank: int, world_size: int, batches: int, ctx: ProcessContext) -> RankSplit:
     """Time the stages over this rank's first `batches` micro-batches of epoch 0."""
-    from multicard.data import build_data, loader_processes
-    from multicard.data.loading.sampling import BatchSplit
+    from multicard.data import BatchSplit, build_data, loader_processes
 
     d = dataclasses.replace(cfg.data, loader="workers", num_workers=0)  # stages run here, one at a time
     split = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, world_size)
@@ -207,7 +202,7 @@ def run_input_split(config: str | None, overrides: list[str], world_size: int, b
     """The lines `multicard input-split` prints: one per rank, then the recommendation (for the slowest rank)."""
     from multicard.base.config import load_config
     from multicard.base.errors import UserError
-    from multicard.data.augmentation.transforms import is_small
+    from multicard.data import is_small
 
     if world_size < 1 or batches < 1:
         raise UserError(f"--world-size {world_size} and --batches {batches} must be >= 1")

@@ -1,7 +1,9 @@
-"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (data/sources/shards.py).
+"""`multicard pack`: any dataset multicard reads, packed into shards for shared storage (the format:
+data/sources/shard_format.py; its readers: data/sources/shards.py, remote_shards.py).
 
     multicard pack --out /shared/cifar10-shards data.name=imagefolder data.root=/data/cifar10
     multicard pack --verify /shared/cifar10-shards
+    multicard pack --out s3://bucket/cifar10-shards data.name=imagefolder data.root=/data/cifar10
 
 The dataset is what `data.*` names (an image folder, CIFAR-10, a dataset function, a Hugging Face
 dataset), split as training would split it. Image files keep their encoded bytes; images that come
@@ -13,6 +15,10 @@ no image is decoded) into tar members in `.partial/`; then processes copy runs o
 shards of about `--shard-mb`. Everything is written under a temporary name and renamed when whole, and the
 index comes last, so an interrupted pack never looks complete; a rerun continues from the chunks
 already packed, or starts over when the source or the options changed, and says which.
+
+`--out URL` (any fsspec URL): the pack is made so in a staging folder (`staging_folder`), then its
+shards are uploaded and its index last, the commit (remote_shards.upload_pack); a rerun completes an
+interrupted upload, leaving the shards that are there whole.
 """
 
 from __future__ import annotations
@@ -26,95 +32,44 @@ import os
 import shutil
 import signal
 import tarfile
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
-import torch
-from PIL import Image
 
 from multicard.base.atomic import remove_temporaries, write_text_atomic
 from multicard.base.config import READS_ROOT, DataConfig
 from multicard.base.errors import UserError
-from multicard.base.version import __version__
-from multicard.data import capped_to_cores
-from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, opened
-from multicard.data.sources.folders import Files, Items, Source, Splits
-from multicard.data.sources.shards import (
-    BLOCK,
-    COLUMNS,
-    FORMAT,
-    HEADER,
-    INDEX,
-    PARTIAL,
-    VERSION,
-    Index,
-    check_shards,
-    check_splits,
-    padded,
-    read_index,
+from multicard.base.storage import Remote, check_url, is_url
+from multicard.data import (
+    Files,
+    Items,
+    Splits,
+    capped_to_cores,
+    check_pack_prefix,
+    encoded_sample,
+    image_header,
+    read_remote_index,
+    remote_objects,
+    shard_format,
+    upload_pack,
+    uploaded_index,
 )
-from multicard.data.sources.user import read_item
 from multicard.runtime.exits import die_with_parent
 from multicard.runtime.process_group import cpu_cores
 
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
-EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
-COPY_BYTES = 8 << 20
 STORED_ORDER_SEED = 0
-RECORDS = ("length", "label", "width", "height", *HEADER)  # what reading a chunk's samples tells, per sample
+# what reading a chunk's samples tells, per sample
+RECORDS = ("length", "label", "width", "height", *shard_format.HEADER)
 # What a failed write of a pack (disk full, quota) advises: what was finished is kept, the rest removed.
 RERUN = "free space or choose another --out, then run the same command: it continues from the chunks already packed"
 
 
 # ---------------------------------------------------------------- what one sample becomes
-
-
-def member_header(name: str, size: int) -> bytes:
-    """A tar member's 512-byte ustar header (no time, owner or mode that differ between runs)."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = size, 0o644, 0
-    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
-
-
-def sample_block(key: str, data: bytes, ext: str, label: int) -> bytes:
-    """`<key>.<ext>` with the image's bytes, then `<key>.cls` with its label: WebDataset's layout.
-    The image's bytes start BLOCK bytes into the block."""
-    cls = str(label).encode()
-    parts = [member_header(f"{key}.{ext}", len(data)), data, bytes(padded(len(data)) - len(data))]
-    parts += [member_header(f"{key}.cls", len(cls)), cls, bytes(BLOCK - len(cls))]
-    return b"".join(parts)
-
-
-def block_size(length: int) -> int:
-    return BLOCK + padded(length) + 2 * BLOCK
-
-
-def extension(format: str) -> str:
-    """The image member's extension for Pillow's format name."""
-    return EXTENSIONS.get(format, (format or "img").lower())
-
-
-def _png(pixels: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    hwc = np.ascontiguousarray(pixels.numpy().transpose(1, 2, 0))  # numpy: no torch thread pool in a forked process
-    Image.fromarray(hwc).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
-
-
-def read_sample(source: Source, i: int) -> tuple[bytes, str, int, int, int, str, str]:
-    """(encoded bytes, extension, label, width, height, format, mode) of sample i; only a file's header is parsed."""
-    if isinstance(source, Files):
-        image, label = EncodedImage.read(source.root / source.paths[i]), int(source.labels[i])
-    elif isinstance(source, Items):
-        image, label = read_item(source, i)
-        label = int(label)
-    else:
-        image, label = source.images[i], int(source.labels[i])
-    if isinstance(image, EncodedImage):
-        return image.data, extension(image.format or ""), label, *image.size, image.format or "", image.mode
-    return _png(image), "png", label, image.shape[-1], image.shape[-2], "PNG", "RGB"
 
 
 # ---------------------------------------------------------------- the plan: chunks of each split
@@ -196,8 +151,8 @@ def pack_chunk(partial: Path, chunk: Chunk) -> int:
     try:
         with tmp.open("wb") as f:
             for i in order[chunk.start : chunk.stop]:
-                data, ext, label, width, height, format, mode = read_sample(source, i)  # its errors: one line
-                f.write(sample_block(f"{i:08d}", data, ext, label))
+                data, ext, label, width, height, format, mode = encoded_sample(source, i)  # its errors: one line
+                f.write(shard_format.sample_block(i, data, ext, label))
                 for key, value in zip(RECORDS, (len(data), label, width, height, ext, format, mode), strict=True):
                     records[key].append(value)
                 records["sha256"].append(hashlib.sha256(data).hexdigest())
@@ -215,42 +170,16 @@ def cannot_write(path: Path, exc: OSError) -> UserError:
     return UserError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {RERUN}")
 
 
-def write_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> tuple[str, int, str]:
-    """Copy byte ranges (part file, start, length) into shard `name`, end it as a tar, rename it whole.
-    (name, bytes, sha256)."""
-    h = hashlib.sha256()
-    tmp = out / f".{name}.tmp"
+def pack_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """Shard `name` of runs of the chunks' samples (part file, start, length): its entry of the index."""
     try:
-        with tmp.open("wb") as f:
-            for part, start, length in pieces:
-                _copy(partial / part, start, length, f, h)
-            end = bytes(2 * BLOCK)  # the end-of-archive marker
-            h.update(end)
-            f.write(end)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, out / name)
+        return shard_format.write_shard(out, name, [(partial / part, start, length) for part, start, length in pieces])
     except OSError as exc:
         raise cannot_write(out / name, exc) from None
-    finally:
-        tmp.unlink(missing_ok=True)  # only whole shards stay
-    return name, size, h.hexdigest()
 
 
-def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
-    """`length` bytes of `part` from `start` into `f`, and into the hash `h`."""
-    with part.open("rb") as src:
-        src.seek(start)
-        while length:
-            buffer = src.read(min(COPY_BYTES, length))
-            h.update(buffer)
-            f.write(buffer)
-            length -= len(buffer)
-
-
-def _write_shard(args: tuple) -> tuple[str, int, str]:
-    return write_shard(*args)
+def _pack_shard(args: tuple) -> dict[str, Any]:
+    return pack_shard(*args)
 
 
 def _pack_chunk(args: tuple) -> int:
@@ -274,17 +203,16 @@ def describe(d: DataConfig) -> str:
 
 def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
     """'fresh', 'continuing', 'done' or 'starting over': what the folder holds, made ready for this plan."""
-    partial = out / PARTIAL
-    if (out / INDEX).is_file():
+    partial = out / shard_format.PARTIAL
+    if (out / shard_format.INDEX).is_file():
         try:
-            index = json.loads((out / INDEX).read_text())
-            same = index.get("fingerprint") == plan["fingerprint"] and index.get("plan") == plan
-        except (OSError, ValueError):
+            same = same_plan(json.loads((out / shard_format.INDEX).read_text()), plan)
+        except (OSError, ValueError, AttributeError):
             same = False
         if same:
             return "done"
         say(f"multicard pack: starting over in {out}: its pack was made from another source or with other options")
-        (out / INDEX).unlink()  # first: from here on the folder no longer looks complete
+        (out / shard_format.INDEX).unlink()  # first: from here on the folder no longer looks complete
         _clear(out)
         return "starting over"
     if partial.is_dir():
@@ -303,14 +231,14 @@ def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
 
 def check_out(out: Path) -> None:
     """A new or empty folder, or one holding a pack (finished or not): never another's files."""
-    if (out / INDEX).is_file() or (out / PARTIAL).is_dir():
+    if (out / shard_format.INDEX).is_file() or (out / shard_format.PARTIAL).is_dir():
         return
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and holds no pack; choose a new or empty folder")
 
 
 def _clear(out: Path) -> None:
-    shutil.rmtree(out / PARTIAL, ignore_errors=True)
+    shutil.rmtree(out / shard_format.PARTIAL, ignore_errors=True)
     for path in out.glob("*.tar"):
         path.unlink()
     for path in out.glob(".*.tmp"):
@@ -324,16 +252,16 @@ def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: in
     shards: list[tuple[str, list[tuple[str, int, int]]]] = []
     columns = {}
     for split in dict.fromkeys(c.split for c in chunks):
-        cols: dict[str, list] = {key: [] for key in (*COLUMNS, *HEADER)}
+        cols: dict[str, list] = {key: [] for key in (*shard_format.COLUMNS, *shard_format.HEADER)}
         names: list[str] = []
         pieces: list[tuple[str, int, int]] = []
         filled = 0  # bytes of the shard being planned
         for chunk in (c for c in chunks if c.split == split):
             rec, part, at = records[chunk.name], f"{chunk.name}.part", 0
             for k, length in enumerate(rec["length"]):
-                size = block_size(length)
+                size = shard_format.block_size(length)
                 if filled and filled + size > shard_bytes:
-                    names.append(f"{split}-{len(names):05d}.tar")
+                    names.append(shard_format.shard_name(split, len(names)))
                     shards.append((names[-1], pieces))
                     pieces, filled = [], 0
                 if pieces and pieces[-1][0] == part and pieces[-1][1] + pieces[-1][2] == at:
@@ -341,29 +269,17 @@ def _shard_pieces(chunks: list[Chunk], records: dict[str, dict], shard_bytes: in
                 else:
                     pieces.append((part, at, size))
                 cols["shard"].append(len(names))
-                cols["offset"].append(filled + BLOCK)
+                cols["offset"].append(filled + shard_format.BLOCK)
                 for key in RECORDS:
                     cols[key].append(rec[key][k])
                 filled, at = filled + size, at + size
-        names.append(f"{split}-{len(names):05d}.tar")  # every split has samples: the last shard is never empty
+        # every split has samples: the last shard is never empty
+        names.append(shard_format.shard_name(split, len(names)))
         shards.append((names[-1], pieces))
         order = stored_order(len(cols["shard"]))  # stored position → sample: the index lists samples in order
         columns[split] = {**{key: [values[p] for p in np.argsort(order)] for key, values in cols.items()},
                           "names": names}  # fmt: skip
     return shards, columns
-
-
-def write_index(out: Path, classes: list[str], plan: dict, columns: dict[str, dict], written: dict[str, dict]) -> None:
-    """index.json, written last: from then on the pack is complete."""
-    index = {
-        "format": FORMAT, "version": VERSION, "multicard": __version__, "classes": classes,
-        "fingerprint": plan["fingerprint"], "source": plan["source"], "plan": plan, "splits": {},
-    }  # fmt: skip
-    for split, cols in columns.items():
-        index["splits"][split] = {"shards": [written[n] for n in cols.pop("names")], **cols}
-    index["digest"] = index_digest(index)
-    write_text_atomic(out / INDEX, json.dumps(index), RERUN)
-    (out / INDEX).chmod(0o644)  # readable by everyone, as the shards are (mkstemp makes it private)
 
 
 def samples_digest(stored: list[str], n: int) -> str | None:
@@ -378,18 +294,11 @@ def samples_digest(stored: list[str], n: int) -> str | None:
     return hashlib.sha256(b"".join(by_sample)).hexdigest()
 
 
-def index_digest(index: dict[str, Any]) -> str:
-    """What the index says, as one checksum: pack --verify tells an index changed after packing
-    (class names, source) from the one pack wrote."""
-    stated = {key: value for key, value in index.items() if key != "digest"}
-    return hashlib.sha256(json.dumps(stated, sort_keys=True).encode()).hexdigest()
-
-
 def _chunks_to_pack(
     out: Path, plan: dict[str, Any], sizes: dict[str, int], continuing: bool, console: Any
 ) -> tuple[Path, list[Any], list[Any]]:
     """The unfinished pack's folder (made, with the plan in it), every chunk, and those not packed yet."""
-    partial = out / PARTIAL
+    partial = out / shard_format.PARTIAL
     try:
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -406,18 +315,24 @@ def _chunks_to_pack(
     return partial, chunks, todo
 
 
+def pack_plan(d: DataConfig, splits: Splits, shard_mb: float) -> dict[str, Any]:
+    """What a pack is made of and how: the index keeps it, and a pack with another plan is made again."""
+    sizes = {"train": len(splits.train), "val": len(splits.val)}
+    return {
+        "fingerprint": fingerprint(splits), "source": describe(d), "shard_bytes": int(shard_mb * 2**20),
+        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": shard_format.VERSION,
+        "stored_order_seed": STORED_ORDER_SEED,
+    }  # fmt: skip
+
+
 def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=None) -> str:
     """Pack the splits into options.out; the one-line summary of what was done."""
     from rich.console import Console
 
     console = progress_console or Console(stderr=True)
     out = options.out
-    sizes = {"train": len(splits.train), "val": len(splits.val)}
-    plan = {
-        "fingerprint": fingerprint(splits), "source": describe(d), "shard_bytes": int(options.shard_mb * 2**20),
-        "sizes": sizes, "chunk": {s: chunk_size(n) for s, n in sizes.items()}, "version": VERSION,
-        "stored_order_seed": STORED_ORDER_SEED,
-    }  # fmt: skip
+    plan = pack_plan(d, splits, options.shard_mb)
+    sizes = plan["sizes"]
     state = _prepare_out(out, plan, lambda line: console.print(line, highlight=False))
     if state == "done":
         return f"{out} already holds this pack ({sum(sizes.values())} samples); multicard pack --verify {out} checks it"
@@ -429,7 +344,7 @@ def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=N
     finally:  # a failed or stopped pack keeps its finished chunks and shards, and nothing half-written
         remove_temporaries(out)
         remove_temporaries(partial)
-    write_index(out, splits.classes, plan, index_columns, written)
+    shard_format.write_index(out, shard_format.index_document(splits.classes, plan, index_columns, written), RERUN)
     shutil.rmtree(partial, ignore_errors=True)
     total = sum(s["bytes"] for s in written.values())
     return (
@@ -444,7 +359,7 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
     from rich import progress
 
     global _SPLITS
-    partial = out / PARTIAL
+    partial = out / shard_format.PARTIAL
     columns = [progress.TextColumn("{task.description}"), progress.BarColumn(), progress.MofNCompleteColumn(),
                progress.TimeElapsedColumn(), progress.TextColumn("ETA"), progress.TimeRemainingColumn()]  # fmt: skip
     _SPLITS = splits
@@ -464,8 +379,8 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
                 cols["samples_sha256"] = samples_digest(stored, plan["sizes"][split])
             writing = bar.add_task("writing shards", total=len(shards))
             written = {}
-            for name, size, digest in pool.imap_unordered(_write_shard, [(partial, out, n, p) for n, p in shards]):
-                written[name] = {"name": name, "bytes": size, "sha256": digest}
+            for entry in pool.imap_unordered(_pack_shard, [(partial, out, n, p) for n, p in shards]):
+                written[entry["name"]] = entry
                 bar.advance(writing)
     finally:
         _SPLITS = None
@@ -475,62 +390,69 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
 # ---------------------------------------------------------------- verify
 
 
-def verify_pack(out: Path) -> str:
-    """Everything the index states: its entries (read_index: inside their shards, labels of its
+def verify_pack(out: Path | str) -> str:
+    """Everything the index states: its entries (shard_format.read_index: inside their shards, labels of its
     classes), both splits with the counts the pack planned, every shard whole (size, sha256), its
     members where the index says with the index's labels, each image's size, format and mode as
     the index gives them, the checksum of each split's samples, and the index as pack wrote it
-    (its digest: class names, source)."""
-    index = read_index(out, f"--verify {out}")
-    raw = json.loads(index.path.read_text())
-    check_splits(index)
-    samples = sum(_verify_split(index, raw, name) for name in index.splits)
-    if "digest" in raw and raw["digest"] != index_digest(raw):  # packs of before the digest have none
+    (its digest: class names, source). `out`: a folder, or a URL (each shard read whole, one at a time)."""
+    index, raw, open_shard = _pack_at(out)
+    shard_format.check_splits(index)
+    samples = sum(_verify_split(index, raw, name, open_shard) for name in index.splits)
+    if "digest" in raw and raw["digest"] != shard_format.index_digest(raw):  # packs of before the digest have none
         raise UserError(f"index {index.path} was changed after packing (its class names or source differ); pack again")
     shards = sum(len(s.shards) for s in index.splits.values())
     return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels, images)"
 
 
-def _verify_split(index: Index, raw: dict[str, Any], name: str) -> int:
+def _pack_at(out: Path | str) -> tuple[shard_format.Index, dict[str, Any], Callable[[Any], BinaryIO]]:
+    """The index of the pack in a folder or at a URL (its shards' sizes checked), its JSON, and how a
+    shard's bytes are opened."""
+    if is_url(str(out)):
+        remote = Remote(str(out), DataConfig().read_retries)
+        index, raw = read_remote_index(remote, f"--verify {remote.url}")
+        return index, raw, lambda url: io.BytesIO(remote.read(url.rsplit("/", 1)[-1]))
+    index = shard_format.read_index(Path(out), f"--verify {out}")
+    for split in index.splits.values():
+        shard_format.check_shards(split)
+    return index, json.loads(index.path.read_text()), lambda path: path.open("rb")
+
+
+def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str,
+                  open_shard: Callable[[Any], BinaryIO]) -> int:  # fmt: skip
     """verify_pack's checks of one split; its number of samples."""
     split = index.splits[name]
     planned = raw.get("plan", {}).get("sizes", {}).get(name, len(split))
     if planned != len(split):
         raise UserError(f"index {index.path} lists {len(split)} {name} samples, its pack {planned}; pack again")
-    check_shards(split)
     hashes = [b""] * len(split)  # each sample's sha256, filled by the members' check
     for number, path in enumerate(split.shards):
-        _check_checksum(path, raw["splits"][name]["shards"][number]["sha256"])
         mine = np.flatnonzero(split.columns["shard"] == number)
         mine = mine[np.argsort(split.columns["offset"][mine])]  # in the order they are stored
-        _check_members(index, name, path, mine, hashes)
+        with open_shard(path) as f:
+            if shard_format.stream_digest(f) != raw["splits"][name]["shards"][number]["sha256"]:
+                raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
+            f.seek(0)
+            _check_members(index, name, path, f, mine, hashes)
     if split.samples_sha256 is not None and hashlib.sha256(b"".join(hashes)).hexdigest() != split.samples_sha256:
         raise UserError(f"index {index.path}: the checksum of the {name} samples differs from its record; pack again")
     return len(split)
 
 
-def _check_checksum(path: Path, expected: str) -> None:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while buffer := f.read(COPY_BYTES):
-            h.update(buffer)
-    if h.hexdigest() != expected:
-        raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
-
-
-def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, hashes: list[bytes]) -> None:
+def _check_members(index: shard_format.Index, split_name: str, path: Path | str, f: BinaryIO, mine: np.ndarray,
+                   hashes: list[bytes]) -> None:  # fmt: skip
     """The shard's members are the samples `mine` (in stored order) where the index says, with its
     labels and headers; each one's sha256 into `hashes`."""
     cols, ext = index.splits[split_name].columns, index.splits[split_name].header["ext"]
     try:
-        with tarfile.open(path) as tar:
+        with tarfile.open(fileobj=f) as tar:
             members = tar.getmembers()
             images, labels = members[0::2], members[1::2]
             if len(images) != len(mine) or len(labels) != len(mine):
                 raise UserError(f"shard {path} holds {len(members)} members, the index {2 * len(mine)}; pack again")
             for i, image, label in zip(mine.tolist(), images, labels, strict=True):
-                if (image.name, image.offset_data, image.size) != (f"{i:08d}.{ext[i]}", cols["offset"][i],
-                                                                   cols["length"][i]):  # fmt: skip
+                member = f"{shard_format.sample_key(i)}.{ext[i]}"
+                if (image.name, image.offset_data, image.size) != (member, cols["offset"][i], cols["length"][i]):
                     raise UserError(f"shard {path}: member {image.name} is not where the index says; pack again")
                 if tar.extractfile(label).read() != str(int(cols["label"][i])).encode():
                     raise UserError(f"shard {path}: the label of {image.name} differs from the index; pack again")
@@ -541,15 +463,14 @@ def _check_members(index: Index, split_name: str, path: Path, mine: np.ndarray, 
         raise UserError(f"shard {path} is not a readable tar file ({exc}); pack again") from None
 
 
-def _check_header(index: Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
+def _check_header(index: shard_format.Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
     """Sample i's width, height, format, mode and extension in the index are its image's (a crop plan uses them)."""
     split = index.splits[split_name]
     header = [split.header[key][i] for key in ("format", "mode", "ext")]
     stated = (int(split.columns["width"][i]), int(split.columns["height"][i]), *header)
     try:
-        with opened(data) as image:
-            found = (*image.size, image.format or "", image.mode, extension(image.format or ""))
-    except PIL_ERRORS as exc:
+        found = image_header(data)
+    except ValueError as exc:
         raise UserError(
             f"shard {shard}: sample {i} of split {split_name} is no readable image ({exc}); pack again"
         ) from None
@@ -568,9 +489,12 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     from multicard.data import read_splits
     from multicard.run.preflight import check_output_folder
 
-    check_local_path(out or verify, "--out" if out else "--verify")
+    if is_url(out or verify):
+        check_url(out or verify, "--out" if out else "--verify")
+    else:
+        check_local_path(out or verify, "--out" if out else "--verify")
     if verify:
-        return verify_pack(Path(verify))
+        return verify_pack(verify)
     if not out:
         raise UserError("multicard pack needs --out DIR (the folder to pack into), or --verify DIR")
     if not shard_mb > 0:
@@ -580,10 +504,46 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     cfg = load_config(config, overrides)
     if cfg.data.name == "shards":
         raise UserError("data.name=shards is packed already; name the dataset to pack (e.g. data.name=imagefolder)")
+    if is_url(out):
+        remote = Remote(out, cfg.data.read_retries)
+        check_pack_prefix(remote, remote_objects(remote))  # before reading the dataset
+        return pack_to_url(cfg.data, read_splits(cfg.data, cfg.seed), remote, shard_mb, workers)
     check_apart(Path(out), cfg.data)
     check_output_folder(out, "--out")  # a file in its path, or a folder that cannot be written
     check_out(Path(out))  # before reading the dataset
     return pack(cfg.data, read_splits(cfg.data, cfg.seed), PackOptions(Path(out), shard_mb, workers))
+
+
+def staging_folder(url: str) -> Path:
+    """Where a pack for `url` is made before it is uploaded: one folder per URL in the temporary
+    directory (TMPDIR), so that a rerun after an interruption continues from what was packed there."""
+    return Path(tempfile.gettempdir()) / f"multicard-pack-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def pack_to_url(d: DataConfig, splits: Splits, remote: Remote, shard_mb: float, workers: int,
+                progress_console=None) -> str:  # fmt: skip
+    """Pack into the staging folder, then upload the shards and the index last (upload_pack); the
+    staging folder goes once the index is up. The one-line summary."""
+    from rich.console import Console
+
+    console = progress_console or Console(stderr=True)
+    plan = pack_plan(d, splits, shard_mb)
+    if same_plan(uploaded_index(remote), plan):
+        return f"{remote.url} already holds this pack ({sum(plan['sizes'].values())} samples)"
+    staging = staging_folder(remote.url)
+    pack(d, splits, PackOptions(staging, shard_mb, workers), console)
+    uploaded, shards = upload_pack(staging, remote, lambda line: console.print(line, highlight=False, soft_wrap=True))
+    shutil.rmtree(staging, ignore_errors=True)
+    there = f"{shards - uploaded} of them there already, " if uploaded < shards else ""
+    return (
+        f"packed {len(splits.train)} training and {len(splits.val)} validation samples into {shards} shard(s) "
+        f"in {remote.url} ({there}index.json uploaded last)"
+    )
+
+
+def same_plan(index: dict[str, Any] | None, plan: dict[str, Any]) -> bool:
+    """Whether a pack's index (None: no pack) is of this plan: the same source, packed the same way."""
+    return index is not None and index.get("fingerprint") == plan["fingerprint"] and index.get("plan") == plan
 
 
 def check_apart(out: Path, d: DataConfig) -> None:

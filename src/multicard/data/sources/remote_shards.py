@@ -1,5 +1,7 @@
 """Packed shards on object storage: `data.name=shards data.root=s3://bucket/prefix` (any fsspec URL,
-multicard/base/storage.py), a folder `multicard pack` wrote, uploaded as it is.
+multicard/base/storage.py), what `multicard pack --out URL` wrote there (`upload_pack`), or a folder
+`multicard pack` wrote, uploaded as it is. The index is uploaded last: a prefix without it holds no
+pack, and one whose shards it lists are not all there whole is refused (their sizes are checked).
 
 The index is read whole, the shards' sizes checked against it with one listing. A split of at most
 WHOLE_SPLIT_BYTES is read in whole shards, each once per loader process and kept in its memory; a larger
@@ -12,20 +14,26 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 from multicard.base.errors import UserError
 from multicard.base.storage import Remote
 from multicard.data.sources.folders import Splits
-from multicard.data.sources.shards import (
+from multicard.data.sources.shard_format import (
     INDEX,
+    MD5,
+    SHARD_NAME,
+    Index,
     PackedSplit,
-    ShardSamples,
     check_shards,
     check_splits,
-    packed_splits,
+    file_digest,
     parse_index,
 )
+from multicard.data.sources.shards import ShardSamples, packed_splits
 
 # Each request costs the reading process ~4 ms of CPU (signing, HTTP; measured with s3fs, docs/benchmarks.md):
 # a globally shuffled batch holds no neighbours, so ranged reads take one request per sample, and a
@@ -74,8 +82,21 @@ def remote_shard_splits(url: str, reads_in_flight: int, retries: int) -> Splits:
     """The training and validation splits of a pack at `url` (its index read, its shards' sizes checked)."""
     remote = Remote(url, retries)
     what = f"data.root={remote.url}"
+    index, _ = read_remote_index(remote, what)
+    return packed_splits(index, lambda split: RemoteShardSamples(split, remote, reads_in_flight), what)
+
+
+def read_remote_index(remote: Remote, what: str) -> tuple[Index, dict[str, Any]]:
+    """The index of the pack at the URL, checked (shard_format.parse_index), with both splits and every
+    shard there with the size it gives (one listing), and its JSON; else one line. `what`: how the URL
+    was given."""
     sizes = {remote.join(name): size for name, size in remote.sizes().items()}  # no bucket or prefix: one line
     if remote.join(INDEX) not in sizes:
+        if any(SHARD_NAME.match(url.rsplit("/", 1)[-1]) for url in sizes):
+            raise UserError(
+                f"{what} holds an unfinished pack (shards, but no {INDEX} yet: it is uploaded last); run the "
+                f"multicard pack --out {remote.url} that wrote it again to finish it"
+            )
         raise UserError(
             f"{what} has no {INDEX}: upload a folder multicard pack wrote (its {INDEX} and shards) there, "
             f"or correct the URL"
@@ -91,4 +112,88 @@ def remote_shard_splits(url: str, reads_in_flight: int, retries: int) -> Splits:
     check_splits(index)
     for name in ("train", "val"):
         check_shards(index.splits[name], sizes.get)
-    return packed_splits(index, lambda split: RemoteShardSamples(split, remote, reads_in_flight), what)
+    return index, raw
+
+
+# ---------------------------------------------------------------- writing: `multicard pack --out URL`
+
+
+def remote_objects(remote: Remote) -> dict[str, dict[str, Any]]:
+    """name → listing entry (size, ETag…) of every object directly under the URL; a prefix that holds
+    nothing yet is empty, a missing bucket one line (storage.storage_error)."""
+    fs, root = remote.fs()
+
+    def listing() -> list[dict[str, Any]]:
+        try:
+            return fs.ls(root, detail=True)
+        except FileNotFoundError:
+            bucket = root.split("/", 1)[0]
+            if bucket != root and fs.exists(bucket):
+                return []  # a new prefix of a bucket that is there
+            raise
+
+    return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in remote.attempt(remote.url, listing)}
+
+
+def check_pack_prefix(remote: Remote, objects: dict[str, dict[str, Any]]) -> None:
+    """pack writes only where there is nothing, or a pack (whole or not): never over another's objects."""
+    foreign = sorted(name for name in objects if name != INDEX and not SHARD_NAME.match(name))
+    if foreign:
+        raise UserError(
+            f"--out {remote.url} holds objects that are no pack's ({', '.join(foreign[:3])}"
+            f"{', …' if len(foreign) > 3 else ''}); choose a new or empty prefix"
+        )
+
+
+def uploaded_index(remote: Remote) -> dict[str, Any] | None:
+    """The index of the pack at the URL, None where there is none (or none readable: a pack replaces it)."""
+    if INDEX not in remote_objects(remote):
+        return None
+    try:
+        index = json.loads(remote.read(INDEX))
+    except ValueError:
+        return None
+    return index if isinstance(index, dict) else None
+
+
+def upload_pack(folder: Path, remote: Remote, say: Callable[[str], None]) -> tuple[int, int]:
+    """Upload the finished pack in `folder` to the URL: its shards, then its index last (the index is
+    the commit: readers take nothing without it). Shards the URL holds already whole (their size,
+    and their MD5 where the store gives one) are not uploaded again; an index of another pack there
+    is removed first, and shards no longer named after. (shards uploaded, shards in the pack)."""
+    objects = remote_objects(remote)
+    check_pack_prefix(remote, objects)
+    index_bytes = (folder / INDEX).read_bytes()
+    entries = [shard for split in json.loads(index_bytes)["splits"].values() for shard in split["shards"]]
+    if INDEX in objects:
+        if remote.read(INDEX) == index_bytes:
+            return 0, len(entries)
+        say(f"multicard pack: replacing the pack in {remote.url}: it was made from another source or other options")
+        _remove(remote, INDEX)  # first: from here on the prefix no longer holds a pack
+    named = {shard["name"] for shard in entries}
+    for stale in sorted(name for name in objects if SHARD_NAME.match(name) and name not in named):
+        _remove(remote, stale)
+    todo = [shard for shard in entries if not _uploaded(objects.get(shard["name"]), folder / shard["name"], shard)]
+    for shard in todo:
+        upload_object(remote, folder / shard["name"], shard["name"])
+    upload_object(remote, folder / INDEX, INDEX)
+    return len(todo), len(entries)
+
+
+def _uploaded(listed: dict[str, Any] | None, local: Path, shard: dict[str, Any]) -> bool:
+    """Whether the object listed is the shard: its size, and its MD5 where the ETag is one (a single-part upload)."""
+    if listed is None or int(listed.get("size", -1)) != int(shard["bytes"]):
+        return False
+    etag = str(listed.get("ETag") or listed.get("etag") or "").strip('"').lower()
+    return not MD5.match(etag) or etag == file_digest(local, "md5")
+
+
+def upload_object(remote: Remote, local: Path, name: str) -> None:
+    """One object uploaded whole (object stores make it visible only once complete), with retries."""
+    fs, root = remote.fs()
+    remote.attempt(remote.join(name), lambda: fs.put_file(str(local), f"{root}/{name}"))
+
+
+def _remove(remote: Remote, name: str) -> None:
+    fs, root = remote.fs()
+    remote.attempt(remote.join(name), lambda: fs.rm_file(f"{root}/{name}"))

@@ -1,9 +1,8 @@
 """Packed shards: `data.name=shards data.root=DIR`, a folder that `multicard pack` wrote (multicard/tools/pack.py).
 
-DIR holds plain tar files in WebDataset's layout (members `<key>.<ext>` with each image's encoded
-bytes unchanged, and `<key>.cls` with its label) and one index, `index.json`, that says for every
-sample which shard holds it, where its bytes start and how long they are, its label and its size
-(width, height: what a crop plan needs without opening the image). Samples are read by index,
+DIR holds plain tar files and one index, `index.json` (the format: data/sources/shard_format.py), that
+says for every sample which shard holds it, where its bytes start and how long they are, its label and
+its size (width, height: what a crop plan needs without opening the image). Samples are read by index,
 one `pread` each, and handed to the loaders as a dataset function's items are (encoded bytes,
 label: data/sources/user.py), so decoding, augmentation and every guarantee of image folders are the
 same: training from shards ends with the parameters training from the packed folder ends with.
@@ -16,11 +15,9 @@ batch holds runs of neighbours (`local_order`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,165 +28,14 @@ import torch
 from multicard.base.errors import UserError
 from multicard.data.sources.encoded import EncodedImage
 from multicard.data.sources.folders import Items, Splits
+from multicard.data.sources.shard_format import INDEX as INDEX  # re-exported: where the readers' users look
+from multicard.data.sources.shard_format import PARTIAL as PARTIAL
+from multicard.data.sources.shard_format import Index, PackedSplit, check_shards, check_splits, read_index
 
-FORMAT = "multicard-shards"
-VERSION = 1
-INDEX = "index.json"
-PARTIAL = ".partial"  # chunks and the plan of an unfinished pack
-BLOCK = 512  # tar's block: every member is a 512-byte header, then its data padded to blocks
 # data.order=local: runs of RUN samples stored next to each other, in a shuffled order, shuffled
 # within windows of WINDOW runs (a batch of 256 then reads about 16 runs, each in one read).
 RUN, WINDOW = 64, 16
 MERGE_GAP = 64 << 10  # reads of a batch whose bytes lie at most this far apart become one read
-COLUMNS = ("shard", "offset", "length", "label", "width", "height")  # per sample, in the index: integers
-HEADER = ("ext", "format", "mode")  # per sample, in the index: the image member's extension, Pillow's format and mode
-
-
-def padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
-
-
-@dataclass
-class PackedSplit:
-    """One split of an index: its shard files and, per sample, where its bytes are."""
-
-    shards: list[Path | str]  # files, or URLs of objects (data/sources/remote_shards.py)
-    shard_bytes: list[int]
-    columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
-    header: dict[str, list[str]]  # HEADER → one entry per sample
-    samples_sha256: str | None = None  # of the samples' bytes, in order (pack.samples_digest); older packs: None
-
-    def __len__(self) -> int:
-        return len(self.columns["label"])
-
-
-@dataclass
-class Index:
-    path: Path | str
-    classes: list[str]
-    fingerprint: str  # of the source the pack was made from
-    source: str  # what was packed, in words (the data.* settings)
-    splits: dict[str, PackedSplit]
-
-
-def _bad_index(path: Path | str, why: str) -> UserError:
-    return UserError(
-        f"index {path} {why}; pack the data again (multicard pack; multicard pack --verify DIR checks a pack)"
-    )
-
-
-def read_index(directory: Path, what: str | None = None) -> Index:
-    """The index of a packed folder, its format, version and entries checked, or a one-line error
-    naming the file. `what`: how the folder was given (default `data.root=DIR`)."""
-    path = directory / INDEX
-    if not path.is_file():
-        raise _no_index(directory, what or f"data.root={directory}")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise _bad_index(path, f"cannot be read ({type(exc).__name__})") from None
-    return parse_index(raw, path, lambda name: directory / name)
-
-
-def parse_index(raw: Any, path: Path | str, shard: Callable[[str], Path | str]) -> Index:
-    """An index's contents (`raw`: its JSON, read from `path`), checked; `shard`: a shard's name → its place."""
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise _bad_index(path, f"is not a {FORMAT} index")
-    if raw.get("version") != VERSION:
-        raise UserError(
-            f"index {path} is format version {raw.get('version')}; this multicard reads version {VERSION}: "
-            f"pack the data again with this version (multicard pack)"
-        )
-    try:
-        classes = [str(c) for c in raw["classes"]]
-        splits = {str(name): _packed_split(shard, part) for name, part in raw["splits"].items()}
-        index = Index(path, classes, str(raw["fingerprint"]), str(raw["source"]), splits)
-    except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as exc:
-        raise _bad_index(path, f"is damaged (bad entry {exc})") from None
-    for name, split in splits.items():
-        _check_entries(index, name, split)
-    return index
-
-
-def _no_index(directory: Path, what: str) -> UserError:
-    """Why a folder without an index is no pack, and what to do: `multicard pack --out` it only where
-    pack would write (a new or empty folder)."""
-    if directory.is_dir() and (directory / PARTIAL).is_dir():
-        return UserError(f"{directory} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
-    where = next(folder for folder in (directory, *directory.parents) if folder.exists())
-    if not where.is_dir():
-        return UserError(
-            f"{what}: {where} is a file, not a folder multicard pack wrote (one with {INDEX} and the shards); "
-            f"give such a folder"
-        )
-    if where == directory and any(directory.iterdir()):
-        return UserError(
-            f"{what} has no {INDEX}: it is not a folder multicard pack wrote; pack the dataset into a new folder "
-            f"(multicard pack --out NEW_DIR) and give that one"
-        )
-    return UserError(f"{what} has no {INDEX}; make it with multicard pack --out {directory}")
-
-
-def _packed_split(shard: Callable[[str], Path | str], part: dict[str, Any]) -> PackedSplit:
-    shards = [shard(str(s["name"])) for s in part["shards"]]
-    columns = {c: np.asarray(part[c], dtype=np.int64) for c in COLUMNS}
-    header = {c: [str(v) for v in part[c]] for c in HEADER}
-    if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
-        raise ValueError("columns of different lengths")
-    digest = part.get("samples_sha256")
-    return PackedSplit(shards, [int(s["bytes"]) for s in part["shards"]], columns, header, digest and str(digest))
-
-
-def _check_entries(index: Index, name: str, split: PackedSplit) -> None:
-    """Every sample lies inside its shard (as long as the index says the shard is) and has a label
-    of the index's classes: a damaged index is said at start-up, naming the first bad sample."""
-    cols, ends = split.columns, np.asarray(split.shard_bytes, dtype=np.int64)
-    shard, offset, length, label = cols["shard"], cols["offset"], cols["length"], cols["label"]
-    known = (shard >= 0) & (shard < len(ends))
-    shard_end = np.append(ends, 0)[np.where(known, shard, len(ends))]  # 0 for a shard the index does not list
-    inside = known & (offset >= 0) & (length >= 0) & (offset <= shard_end - length)
-    if not inside.all():
-        i = int(np.flatnonzero(~inside)[0])
-        where = f"shard {shard[i]} of {len(ends)}" if not known[i] else f"bytes {offset[i]}..{offset[i] + length[i]}"
-        raise _bad_index(index.path, f"is damaged: sample {i} of split {name} lies outside its shard ({where})")
-    labelled = (label >= 0) & (label < len(index.classes))
-    if not labelled.all():
-        i = int(np.flatnonzero(~labelled)[0])
-        why = f"sample {i} of split {name} has label {label[i]}, but the index names {len(index.classes)} classes"
-        raise _bad_index(index.path, f"is damaged: {why}")
-    sized = (cols["width"] > 0) & (cols["height"] > 0)
-    if not sized.all():
-        i = int(np.flatnonzero(~sized)[0])
-        why = f"sample {i} of split {name} has size {cols['width'][i]}x{cols['height'][i]}"
-        raise _bad_index(index.path, f"is damaged: {why}")
-
-
-def check_splits(index: Index) -> None:
-    """A pack holds a training and a validation split."""
-    for name in ("train", "val"):
-        if name not in index.splits:
-            raise _bad_index(index.path, f"has no {name} split")
-
-
-def _file_size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-def check_shards(split: PackedSplit, size_of: Callable[[Any], int | None] = _file_size) -> None:
-    """Every shard is there with the size the index gives (one stat each: cheap at start-up).
-    `size_of`: a shard's size, None where it is missing."""
-    for path, expected in zip(split.shards, split.shard_bytes, strict=True):
-        size = size_of(path)
-        if size is None:
-            raise UserError(f"shard {path} is missing; restore it or pack the data again (multicard pack)")
-        if size != expected:
-            raise UserError(
-                f"shard {path} has {size} bytes where the index says {expected}: it is truncated or was changed; "
-                f"restore it or pack the data again (multicard pack --verify DIR checks a pack)"
-            )
 
 
 class ShardSamples:

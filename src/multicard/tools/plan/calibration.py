@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from multicard.data.decoding.decode import default_cache_dir
+from multicard.data import default_cache_dir
 from multicard.runtime.process_group import cpu_cores
 
 RATE_KEYS = ("flops", "matmul_flops", "grouped_flops", "grouped_backward_flops", "transcendental", "bandwidth",

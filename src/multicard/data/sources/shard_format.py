@@ -1,0 +1,296 @@
+"""The packed-shard format, in one place: what `multicard pack` writes (multicard/tools/pack.py) and
+the readers read (data/sources/shards.py from a folder, data/sources/remote_shards.py from a URL).
+
+A pack is a folder (or a URL's prefix) of plain tar files in WebDataset's layout, `train-00000.tar`,
+`val-00000.tar`, … (members `<key>.<ext>` with each image's encoded bytes unchanged, then `<key>.cls`
+with its label; `<key>` the sample's number in its split, 8 digits) and one index, `index.json`, that
+says for every sample which shard holds it, where its bytes start and how long they are, its label and
+its size (width, height), and for every shard its size and sha256. The index is written last: it is
+the commit of a pack, a folder or prefix without one is no pack (an unfinished one at most).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tarfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from multicard.base.atomic import write_text_atomic
+from multicard.base.errors import UserError
+from multicard.base.version import __version__
+
+FORMAT = "multicard-shards"
+VERSION = 1
+INDEX = "index.json"
+PARTIAL = ".partial"  # chunks and the plan of an unfinished pack
+BLOCK = 512  # tar's block: every member is a 512-byte header, then its data padded to blocks
+COLUMNS = ("shard", "offset", "length", "label", "width", "height")  # per sample, in the index: integers
+HEADER = ("ext", "format", "mode")  # per sample, in the index: the image member's extension, Pillow's format and mode
+MD5 = re.compile(r"^[0-9a-f]{32}$")  # an object store's ETag that is its content's MD5
+SHARD_NAME = re.compile(r"^(?P<split>[a-z]+)-(?P<number>\d{5})\.tar$")  # train-00000.tar
+COPY_BYTES = 8 << 20
+
+
+# ---------------------------------------------------------------- writing
+
+
+def shard_name(split: str, number: int) -> str:
+    return f"{split}-{number:05d}.tar"
+
+
+def member_header(name: str, size: int) -> bytes:
+    """A tar member's 512-byte ustar header (no time, owner or mode that differ between runs)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+
+
+def sample_key(sample: int) -> str:
+    return f"{sample:08d}"
+
+
+def sample_block(sample: int, data: bytes, ext: str, label: int) -> bytes:
+    """`<key>.<ext>` with the image's bytes, then `<key>.cls` with its label: WebDataset's layout.
+    The image's bytes start BLOCK bytes into the block."""
+    key, cls = sample_key(sample), str(label).encode()
+    parts = [member_header(f"{key}.{ext}", len(data)), data, bytes(padded(len(data)) - len(data))]
+    parts += [member_header(f"{key}.cls", len(cls)), cls, bytes(BLOCK - len(cls))]
+    return b"".join(parts)
+
+
+def block_size(length: int) -> int:
+    """The bytes sample_block takes for an image of `length` bytes."""
+    return BLOCK + padded(length) + 2 * BLOCK
+
+
+def write_shard(out: Path, name: str, pieces: Iterable[tuple[Path, int, int]]) -> dict[str, Any]:
+    """Copy byte ranges (file, start, length) of sample blocks into shard `name` of folder `out`, end
+    it as a tar and rename it whole; its entry of the index (name, bytes, sha256). OSErrors pass."""
+    h = hashlib.sha256()
+    tmp = out / f".{name}.tmp"
+    try:
+        with tmp.open("wb") as f:
+            for part, start, length in pieces:
+                _copy(part, start, length, f, h)
+            end = bytes(2 * BLOCK)  # the end-of-archive marker
+            h.update(end)
+            f.write(end)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, out / name)
+    finally:
+        tmp.unlink(missing_ok=True)  # only whole shards stay
+    return {"name": name, "bytes": size, "sha256": h.hexdigest()}
+
+
+def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
+    """`length` bytes of `part` from `start` into `f`, and into the hash `h`."""
+    with part.open("rb") as src:
+        src.seek(start)
+        while length:
+            buffer = src.read(min(COPY_BYTES, length))
+            h.update(buffer)
+            f.write(buffer)
+            length -= len(buffer)
+
+
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """The file's hexdigest (sha256: the index's; md5: what an S3 ETag of a single-part upload is)."""
+    with path.open("rb") as f:
+        return stream_digest(f, algorithm)
+
+
+def stream_digest(f: Any, algorithm: str = "sha256") -> str:
+    """The hexdigest of what is left to read of a binary file."""
+    h = hashlib.new(algorithm, usedforsecurity=False)
+    while buffer := f.read(COPY_BYTES):
+        h.update(buffer)
+    return h.hexdigest()
+
+
+def index_document(classes: list[str], plan: dict[str, Any], columns: dict[str, dict],
+                   written: dict[str, dict]) -> dict[str, Any]:  # fmt: skip
+    """The index of a pack: `plan` (with the source's fingerprint and words), per split its columns
+    (COLUMNS, HEADER, samples_sha256) and the names of its shards (`names`), `written` each shard's entry."""
+    index = {
+        "format": FORMAT, "version": VERSION, "multicard": __version__, "classes": classes,
+        "fingerprint": plan["fingerprint"], "source": plan["source"], "plan": plan, "splits": {},
+    }  # fmt: skip
+    for split, cols in columns.items():
+        rest = {key: value for key, value in cols.items() if key != "names"}
+        index["splits"][split] = {"shards": [written[n] for n in cols["names"]], **rest}
+    index["digest"] = index_digest(index)
+    return index
+
+
+def write_index(out: Path, index: dict[str, Any], advice: str) -> None:
+    """index.json, written last: from then on the pack is complete. `advice`: what a failed write says."""
+    write_text_atomic(out / INDEX, json.dumps(index), advice)
+    (out / INDEX).chmod(0o644)  # readable by everyone, as the shards are (mkstemp makes it private)
+
+
+def index_digest(index: dict[str, Any]) -> str:
+    """What the index says, as one checksum: pack --verify tells an index changed after packing
+    (class names, source) from the one pack wrote."""
+    stated = {key: value for key, value in index.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(stated, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- reading
+
+
+def padded(size: int) -> int:
+    """`size` rounded up to whole tar blocks."""
+    return -(-size // BLOCK) * BLOCK
+
+
+@dataclass
+class PackedSplit:
+    """One split of an index: its shard files and, per sample, where its bytes are."""
+
+    shards: list[Path | str]  # files, or URLs of objects (data/sources/remote_shards.py)
+    shard_bytes: list[int]
+    columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
+    header: dict[str, list[str]]  # HEADER → one entry per sample
+    samples_sha256: str | None = None  # of the samples' bytes, in order (pack.samples_digest); older packs: None
+
+    def __len__(self) -> int:
+        return len(self.columns["label"])
+
+
+@dataclass
+class Index:
+    path: Path | str
+    classes: list[str]
+    fingerprint: str  # of the source the pack was made from
+    source: str  # what was packed, in words (the data.* settings)
+    splits: dict[str, PackedSplit]
+
+
+def _bad_index(path: Path | str, why: str) -> UserError:
+    return UserError(
+        f"index {path} {why}; pack the data again (multicard pack; multicard pack --verify DIR checks a pack)"
+    )
+
+
+def read_index(directory: Path, what: str | None = None) -> Index:
+    """The index of a packed folder, its format, version and entries checked, or a one-line error
+    naming the file. `what`: how the folder was given (default `data.root=DIR`)."""
+    path = directory / INDEX
+    if not path.is_file():
+        raise _no_index(directory, what or f"data.root={directory}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _bad_index(path, f"cannot be read ({type(exc).__name__})") from None
+    return parse_index(raw, path, lambda name: directory / name)
+
+
+def parse_index(raw: Any, path: Path | str, shard: Callable[[str], Path | str]) -> Index:
+    """An index's contents (`raw`: its JSON, read from `path`), checked; `shard`: a shard's name → its place."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise _bad_index(path, f"is not a {FORMAT} index")
+    if raw.get("version") != VERSION:
+        raise UserError(
+            f"index {path} is format version {raw.get('version')}; this multicard reads version {VERSION}: "
+            f"pack the data again with this version (multicard pack)"
+        )
+    try:
+        classes = [str(c) for c in raw["classes"]]
+        splits = {str(name): _packed_split(shard, part) for name, part in raw["splits"].items()}
+        index = Index(path, classes, str(raw["fingerprint"]), str(raw["source"]), splits)
+    except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as exc:
+        raise _bad_index(path, f"is damaged (bad entry {exc})") from None
+    for name, split in splits.items():
+        _check_entries(index, name, split)
+    return index
+
+
+def _no_index(directory: Path, what: str) -> UserError:
+    """Why a folder without an index is no pack, and what to do: `multicard pack --out` it only where
+    pack would write (a new or empty folder)."""
+    if directory.is_dir() and (directory / PARTIAL).is_dir():
+        return UserError(f"{directory} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
+    where = next(folder for folder in (directory, *directory.parents) if folder.exists())
+    if not where.is_dir():
+        return UserError(
+            f"{what}: {where} is a file, not a folder multicard pack wrote (one with {INDEX} and the shards); "
+            f"give such a folder"
+        )
+    if where == directory and any(directory.iterdir()):
+        return UserError(
+            f"{what} has no {INDEX}: it is not a folder multicard pack wrote; pack the dataset into a new folder "
+            f"(multicard pack --out NEW_DIR) and give that one"
+        )
+    return UserError(f"{what} has no {INDEX}; make it with multicard pack --out {directory}")
+
+
+def _packed_split(shard: Callable[[str], Path | str], part: dict[str, Any]) -> PackedSplit:
+    shards = [shard(str(s["name"])) for s in part["shards"]]
+    columns = {c: np.asarray(part[c], dtype=np.int64) for c in COLUMNS}
+    header = {c: [str(v) for v in part[c]] for c in HEADER}
+    if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
+        raise ValueError("columns of different lengths")
+    digest = part.get("samples_sha256")
+    return PackedSplit(shards, [int(s["bytes"]) for s in part["shards"]], columns, header, digest and str(digest))
+
+
+def _check_entries(index: Index, name: str, split: PackedSplit) -> None:
+    """Every sample lies inside its shard (as long as the index says the shard is) and has a label
+    of the index's classes: a damaged index is said at start-up, naming the first bad sample."""
+    cols, ends = split.columns, np.asarray(split.shard_bytes, dtype=np.int64)
+    shard, offset, length, label = cols["shard"], cols["offset"], cols["length"], cols["label"]
+    known = (shard >= 0) & (shard < len(ends))
+    shard_end = np.append(ends, 0)[np.where(known, shard, len(ends))]  # 0 for a shard the index does not list
+    inside = known & (offset >= 0) & (length >= 0) & (offset <= shard_end - length)
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
+        where = f"shard {shard[i]} of {len(ends)}" if not known[i] else f"bytes {offset[i]}..{offset[i] + length[i]}"
+        raise _bad_index(index.path, f"is damaged: sample {i} of split {name} lies outside its shard ({where})")
+    labelled = (label >= 0) & (label < len(index.classes))
+    if not labelled.all():
+        i = int(np.flatnonzero(~labelled)[0])
+        why = f"sample {i} of split {name} has label {label[i]}, but the index names {len(index.classes)} classes"
+        raise _bad_index(index.path, f"is damaged: {why}")
+    sized = (cols["width"] > 0) & (cols["height"] > 0)
+    if not sized.all():
+        i = int(np.flatnonzero(~sized)[0])
+        why = f"sample {i} of split {name} has size {cols['width'][i]}x{cols['height'][i]}"
+        raise _bad_index(index.path, f"is damaged: {why}")
+
+
+def check_splits(index: Index) -> None:
+    """A pack holds a training and a validation split."""
+    for name in ("train", "val"):
+        if name not in index.splits:
+            raise _bad_index(index.path, f"has no {name} split")
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def check_shards(split: PackedSplit, size_of: Callable[[Any], int | None] = _file_size) -> None:
+    """Every shard is there with the size the index gives (one stat each: cheap at start-up).
+    `size_of`: a shard's size, None where it is missing."""
+    for path, expected in zip(split.shards, split.shard_bytes, strict=True):
+        size = size_of(path)
+        if size is None:
+            raise UserError(f"shard {path} is missing; restore it or pack the data again (multicard pack)")
+        if size != expected:
+            raise UserError(
+                f"shard {path} has {size} bytes where the index says {expected}: it is truncated or was changed; "
+                f"restore it or pack the data again (multicard pack --verify DIR checks a pack)"
+            )
