@@ -191,9 +191,9 @@ def _uploaded(listed: dict[str, Any] | None, local: Path, shard: dict[str, Any])
 def upload_object(remote: Remote, local: Path, name: str) -> None:
     """One object uploaded whole (object stores make it visible only once complete), with retries."""
     fs, root = remote.fs()
-    remote.attempt(remote.join(name), lambda: fs.put_file(str(local), f"{root}/{name}"))
+    remote.attempt(remote.join(name), lambda: fs.put_file(str(local), f"{root}/{name}"), "write")
 
 
 def _remove(remote: Remote, name: str) -> None:
     fs, root = remote.fs()
-    remote.attempt(remote.join(name), lambda: fs.rm_file(f"{root}/{name}"))
+    remote.attempt(remote.join(name), lambda: fs.rm_file(f"{root}/{name}"), "remove")
