@@ -258,3 +258,38 @@ def test_one_module_runs_backward():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
                 callers.add(name)
     assert callers == {"multicard.engine.loop"}, callers
+
+
+def calls_of(function: str) -> dict[str, int]:
+    """Modules of multicard that call `function` (by its bare or dotted name), with how often."""
+    found: dict[str, int] = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called == function and name.startswith("multicard."):
+                    found[name] = found.get(name, 0) + 1
+    return found
+
+
+def test_36_2_a_run_is_assembled_in_one_place():
+    """The checkpointer and the sinks of a run (console, metrics.jsonl, TensorBoard, trackers) are
+    made by run.assembly.Assembly alone (train, eval, bench, verify, plan and multicard.Run take
+    them from it), and a training run's preflight is called from two places: multicard's launcher,
+    and a training process that no launcher of multicard's started."""
+    made = {cls: calls_of(cls) for cls in ("Checkpointer", "Reporter", "TrainingLog", "TensorBoardLog", "TrackerLog")}
+    assert made == {cls: {"multicard.run.assembly": 1} for cls in made}, made
+    assert calls_of("preflight") == {"multicard.cli.main": 1, "multicard.cli.commands": 1}
+    assert calls_of("check_run") == {"multicard.run.preflight": 1}
+
+
+def test_36_3_tools_use_the_strategies_and_checkpoints_through_their_packages():
+    """The tools take what they use of the strategies and the checkpoints from the packages'
+    public surface (`multicard.strategy`, `multicard.checkpoint`), never from a module inside."""
+    tools = layer_of("multicard.tools")
+    deep = [
+        f"{e.where()} {e.source} imports {e.target}"
+        for e in edges()
+        if layer_of(e.source) == tools and e.target.startswith(("multicard.strategy.", "multicard.checkpoint."))
+    ]
+    assert not deep, "import these through the package instead:\n" + "\n".join(deep)

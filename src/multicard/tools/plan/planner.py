@@ -16,7 +16,7 @@ from multicard.base.config import Config, load_config, to_dict, with_overrides
 from multicard.base.errors import UserError
 from multicard.base.malloc import wants_release
 from multicard.data.loading.sampling import BatchSplit
-from multicard.strategy.topology import check_fsdp
+from multicard.strategy import check_fsdp
 from multicard.tools.plan.candidates import CANDIDATES, DEFAULT_HEADROOM, Candidate
 from multicard.tools.plan.dataset import DataFacts, data_facts, resident_bytes
 from multicard.tools.plan.memory import ELEMENT, Layout, Memory, largest_batch, peak
