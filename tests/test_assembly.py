@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import TINY
 
 import multicard.run.preflight as preflight
+from conftest import TINY
 from multicard.base.config import load_config
 from multicard.cli import commands
 from multicard.runtime.environment import ProcessEnv

@@ -260,15 +260,18 @@ def test_one_module_runs_backward():
     assert callers == {"multicard.engine.loop"}, callers
 
 
-def calls_of(function: str) -> dict[str, int]:
-    """Modules of multicard that call `function` (by its bare or dotted name), with how often."""
-    found: dict[str, int] = {}
+def calls_of(*functions: str) -> dict[str, dict[str, int]]:
+    """For each of `functions` (called by its bare or dotted name): the modules of multicard that
+    call it, with how often."""
+    found: dict[str, dict[str, int]] = {function: {} for function in functions}
     for name, path in modules().items():
+        if not name.startswith("multicard."):
+            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call):
                 called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-                if called == function and name.startswith("multicard."):
-                    found[name] = found.get(name, 0) + 1
+                if called in found:
+                    found[called][name] = found[called].get(name, 0) + 1
     return found
 
 
@@ -277,10 +280,11 @@ def test_36_2_a_run_is_assembled_in_one_place():
     made by run.assembly.Assembly alone (train, eval, bench, verify, plan and multicard.Run take
     them from it), and a training run's preflight is called from two places: multicard's launcher,
     and a training process that no launcher of multicard's started."""
-    made = {cls: calls_of(cls) for cls in ("Checkpointer", "Reporter", "TrainingLog", "TensorBoardLog", "TrackerLog")}
-    assert made == {cls: {"multicard.run.assembly": 1} for cls in made}, made
-    assert calls_of("preflight") == {"multicard.cli.main": 1, "multicard.cli.commands": 1}
-    assert calls_of("check_run") == {"multicard.run.preflight": 1}
+    made = ("Checkpointer", "Reporter", "TrainingLog", "TensorBoardLog", "TrackerLog")
+    calls = calls_of(*made, "preflight", "check_run")
+    assert {cls: calls[cls] for cls in made} == {cls: {"multicard.run.assembly": 1} for cls in made}, calls
+    assert calls["preflight"] == {"multicard.cli.main": 1, "multicard.cli.commands": 1}
+    assert calls["check_run"] == {"multicard.run.preflight": 1}
 
 
 def test_36_3_tools_use_the_strategies_and_checkpoints_through_their_packages():
