@@ -10,7 +10,7 @@ from conftest import TINY
 from multicard.base.config import load_config
 from multicard.checkpoint import Checkpointer
 from multicard.engine.trainer import Trainer
-from multicard.run.session import open_session
+from multicard.run.assembly import Assembly
 from multicard.runtime.environment import ProcessEnv
 
 
@@ -29,14 +29,14 @@ class Tally:
 
 def test_a_component_registered_on_the_loop_is_saved_and_resumed(tmp_path):
     cfg = load_config(None, [*TINY, "train.max_steps=2", f"out_dir={tmp_path}"])
-    with open_session(cfg, ProcessEnv("none")) as s:
+    with Assembly(cfg, ProcessEnv("none")) as s:
         tally = s.trainer.loop.components["tally"] = Tally()
         s.trainer.fit(until=2, validate=False)
         tally.seen = 37
-        Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.run).save(s.trainer.loop)
-    with open_session(cfg, ProcessEnv("none")) as s:
+        Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.facts).save(s.trainer.loop)
+    with Assembly(cfg, ProcessEnv("none")) as s:
         fresh = s.trainer.loop.components["tally"] = Tally()
-        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.run)
+        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.facts)
         checkpointer.restore(checkpointer.choose("auto"), s.trainer.loop)
         assert fresh.seen == 37 and s.trainer.position.global_step == 2
 
@@ -49,7 +49,7 @@ def test_the_loss_is_one_argument_of_the_trainer(tmp_path):
         calls.append((logits.shape, target.shape))
         return F.multi_margin_loss(logits, target)
 
-    with open_session(cfg, ProcessEnv("none")) as s:
+    with Assembly(cfg, ProcessEnv("none")) as s:
         t = s.trainer
         trainer = Trainer(s.strategy, t.model, t.optimizer, t.scheduler, t.train_loader, None, t.schedule, loss=hinge)
         trainer.fit(until=2, validate=False)

@@ -28,7 +28,7 @@ from multicard.data.sources.ranks import check_same_across_ranks, summary
 from multicard.data.sources.user import read_item
 from multicard.observe.telemetry import DataBound, Reporter, TrainingLog
 from multicard.observe.tracking import TRACKERS, MlflowRun
-from multicard.run.session import open_session
+from multicard.run.assembly import Assembly
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.exits import EXIT_GRACE_S
 from multicard.runtime.process_group import ProcessContext
@@ -210,7 +210,8 @@ def test_37_9_a_thread_a_dataset_function_leaves_running_does_not_keep_the_proce
 
 def test_37_10_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(modules, tmp_path, capsys):
     cfg = load_config(None, [*RUN, "data.name=mc37_sigign:squares", f"out_dir={tmp_path}"])
-    with open_session(cfg, ProcessEnv(source="none")) as s:
+    with Assembly(cfg, ProcessEnv(source="none")) as s:
+        s.trainer  # noqa: B018 -- the run is built (its data module imported) before the signal
         signal.raise_signal(signal.SIGTERM)  # ignored before: the run would have trained on
         assert s.trainer.loop.stop is not None and s.trainer.loop.stop.signum == signal.SIGTERM
     err = capsys.readouterr().err

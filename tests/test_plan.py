@@ -22,7 +22,7 @@ from multicard.base.config import load_config, with_overrides
 from multicard.base.errors import UserError
 from multicard.cli.main import main as cli_main
 from multicard.data.loading.sampling import BatchSplit
-from multicard.run.session import open_session
+from multicard.run.assembly import Assembly
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.process_group import cpu_cores
 from multicard.strategy.models import build_model
@@ -69,7 +69,8 @@ def test_fake_trace_predicts_the_real_steps_allocation_peak(tmp_path):
     model = step_model(cfg, facts.num_classes)
     predicted = peak(model, Layout("single"), 64, {"loader": float(facts.decoded_bytes(32))}).tensors
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with open_session(cfg, ProcessEnv("none")) as s:
+        with Assembly(cfg, ProcessEnv("none")) as s:
+            s.trainer  # noqa: B018 -- built before the measured steps
             with record_function("steps"):
                 s.trainer.fit([], until=2, validate=False)
     measured, _ = window_peak(prof, "steps")

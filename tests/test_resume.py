@@ -26,7 +26,7 @@ from conftest import (
 from multicard.base.config import load_config
 from multicard.checkpoint import Checkpointer, checkpoints_in, load_file
 from multicard.cli.main import main
-from multicard.run.session import open_session
+from multicard.run.assembly import Assembly
 from multicard.runtime.environment import ProcessEnv
 
 pytestmark = pytest.mark.distributed
@@ -126,8 +126,8 @@ def test_resume_never_starts_afresh(tmp_path):
 
 def test_rotation_keeps_last_k_and_best(tmp_path):
     cfg = load_config(None, [*TINY, "checkpoint.keep_last=2", f"out_dir={tmp_path}"])
-    with open_session(cfg, ProcessEnv("none")) as s:
-        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.run)
+    with Assembly(cfg, ProcessEnv("none")) as s:
+        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.facts)
         for step, best in [(5, True), (10, False), (15, True), (20, False), (25, False)]:
             s.trainer.position.global_step = step
             checkpointer.save(s.trainer, best=best)

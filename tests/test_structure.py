@@ -283,3 +283,51 @@ def test_tools_and_the_command_line_use_the_data_layer_through_its_public_surfac
             elif imp.target == "multicard.data" and set(imp.names) - surface:
                 inside.append(f"{imp.where()} imports {sorted(set(imp.names) - surface)}: not in its __all__")
     assert not inside, "imports of the data layer's insides:\n" + "\n".join(inside)
+
+
+def calls_of(*functions: str) -> dict[str, dict[str, int]]:
+    """For each of `functions` (called by its bare or dotted name): the modules of multicard that
+    call it, with how often."""
+    found: dict[str, dict[str, int]] = {function: {} for function in functions}
+    for name, path in modules().items():
+        if not name.startswith("multicard."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called in found:
+                    found[called][name] = found[called].get(name, 0) + 1
+    return found
+
+
+def test_36_2_a_run_is_assembled_in_one_place():
+    """The checkpointer and the sinks of a run (console, metrics.jsonl, TensorBoard, trackers) are
+    made by run.assembly.Assembly alone (train, eval, bench, verify, plan and multicard.Run take
+    them from it), and a training run's preflight is called from two places: multicard's launcher,
+    and a training process that no launcher of multicard's started."""
+    made = ("Checkpointer", "Reporter", "TrainingLog", "TensorBoardLog", "TrackerLog")
+    calls = calls_of(*made, "preflight", "check_training_run")
+    assert {cls: calls[cls] for cls in made} == {cls: {"multicard.run.assembly": 1} for cls in made}, calls
+    assert calls["preflight"] == {"multicard.cli.main": 1, "multicard.cli.commands": 1}
+    assert calls["check_training_run"] == {"multicard.run.preflight": 1}
+
+
+def test_36_3_tools_use_the_strategies_and_checkpoints_through_their_packages():
+    """The tools take what they use of the strategies and the checkpoints from the packages'
+    public surface (`multicard.strategy`, `multicard.checkpoint`), never from a module inside."""
+    tools = layer_of("multicard.tools")
+    deep = [
+        f"{e.where()} {e.source} imports {e.target}"
+        for e in edges()
+        if layer_of(e.source) == tools and e.target.startswith(("multicard.strategy.", "multicard.checkpoint."))
+    ]
+    assert not deep, "import these through the package instead:\n" + "\n".join(deep)
+
+
+def test_the_strategy_packages_lazy_names_are_its_public_names():
+    """multicard.strategy loads its names lazily from a map: the map and `__all__` say the same."""
+    import multicard.strategy as strategy
+
+    assert set(strategy.__all__) == set(strategy._HOME)
+    for name in strategy.__all__:
+        assert getattr(strategy, name) is not None

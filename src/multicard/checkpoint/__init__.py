@@ -8,6 +8,7 @@ from multicard.checkpoint.checkpointer import (
     Checkpointer,
     check_resume_settings,
     checkpoints_in,
+    edit_resume_state,
     format_of,
     read_checkpoint,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "RunFacts",
     "check_model_fits",
     "checkpoints_in",
+    "edit_resume_state",
     "format_of",
     "load_file",
     "read_checkpoint",

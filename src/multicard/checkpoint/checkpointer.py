@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
-from multicard.base.atomic import remove_temporaries
+from multicard.base.atomic import remove_temporaries, save_atomic
 from multicard.base.config import CheckpointConfig
 from multicard.base.errors import Stopped, UserError
 from multicard.base.version import __version__
@@ -39,7 +40,7 @@ from multicard.checkpoint.remote import (
     step_of,
 )
 from multicard.checkpoint.remote_writer import RemoteWriter, estimate_line
-from multicard.checkpoint.sharded import COMPLETE, Sharded, incomplete_dirs, part_of_sharded, unmarked_dirs
+from multicard.checkpoint.sharded import COMPLETE, TRAIN_STATE, Sharded, incomplete_dirs, part_of_sharded, unmarked_dirs
 from multicard.checkpoint.single_file import SingleFile
 from multicard.engine.loop import Callback, Loop, StepEnd
 from multicard.engine.meters import EvalResult
@@ -375,3 +376,12 @@ class Checkpointer(Callback):
 
     def on_fit_end(self, loop: Loop) -> None:
         self.finish_writing()
+
+
+def edit_resume_state(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change, in place, what the checkpoint at `path` holds to resume from (the loop's position
+    and random streams, under "resume"): `multicard verify --break` drops some of it on purpose."""
+    holder = path / TRAIN_STATE if path.is_dir() else path  # where each format keeps it
+    state = torch.load(holder, map_location="cpu", weights_only=True)
+    edit(state["resume"])
+    save_atomic(state, holder)

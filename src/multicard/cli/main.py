@@ -22,12 +22,11 @@ from multicard.base.config import check_local_path, load_config, parse_devices
 from multicard.base.errors import ExitCode, MulticardError, UserError
 from multicard.base.storage import check_url, is_url
 from multicard.base.version import __version__
-from multicard.run.preflight import check_output_folder, check_run, prepare_out_dir
+from multicard.run.preflight import check_output_folder, preflight
 from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
 from multicard.runtime.exits import die_with_launcher, end_process, report_error
 from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.runtime.process_group import resolve_gpus
-from multicard.runtime.run_lock import RunLock
 from multicard.runtime.stopping import BeforeTraining
 from multicard.strategy.topology import resolve
 from multicard.tools.plan.arguments import add_plan_parser, plan_options
@@ -277,13 +276,8 @@ def _train(args: argparse.Namespace) -> int:
     topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
     if not topology.gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
-    check_run(cfg)
-    fresh = not Path(cfg.out_dir).exists()
-    out_dir = prepare_out_dir(cfg.out_dir)
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
-    with RunLock(out_dir, made_out_dir=fresh) as lock:
-        if options.node_rank == 0:  # node 0 holds it for the whole job, restarts included
-            lock.acquire(print)
+    with preflight(cfg, hold_lock=options.node_rank == 0) as lock:  # node 0 holds it for the whole job
         code = launch_workers(options, worker_argv, stop_timeout_s=cfg.checkpoint.stop_timeout_s)
         if code == ExitCode.BAD_INPUT:
             lock.refused()  # leaves out_dir as it found it (what a run wrote before failing stays)

@@ -1,6 +1,7 @@
 """The public API for a user's own training loop, `multicard.Run` (run.py), and the `Scores` that
 `run.evaluate` returns (reference: docs/library.md); and how every run is assembled: the preflight
-checks (preflight.py) and the command line's session (session.py).
+checks (preflight.py) and the one object that builds a run's parts (assembly.py, from the recipes in
+session.py).
 
 Loaded on first use: the launcher imports the preflight checks without the training stack.
 """

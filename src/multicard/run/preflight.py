@@ -1,11 +1,18 @@
-"""Cheap checks made before anything starts, by a launcher as by a training process: the out_dir
-can be written, the optional packages the config asks for are installed, and (`check_run`, the one
-list of a training run's checks) fsdp.units and the resume settings hold."""
+"""Cheap checks made before anything starts: the out_dir can be written, the optional packages the
+config asks for are installed, and (`check_training_run`, the one list of a training run's checks) fsdp.units
+and the resume settings hold.
+
+`preflight` makes them once per run, where they belong: multicard's launcher makes them before it
+starts any worker (and holds out_dir's lock on node 0), and its workers make none; a training
+process no launcher of multicard's started (one process, torchrun, srun) makes them itself, and
+its rank 0 holds the lock. A user's loop (multicard.Run) claims out_dir with `claim_out_dir`."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from multicard.base.atomic import probe_write
@@ -13,6 +20,7 @@ from multicard.base.config import Config, LogConfig, check_local_path, to_dict
 from multicard.base.errors import UserError
 from multicard.checkpoint import check_resume_settings
 from multicard.observe.telemetry import check_tensorboard_folder, tensorboard_writer
+from multicard.runtime.run_lock import RunLock
 
 
 def prepare_out_dir(path: str) -> Path:
@@ -69,7 +77,7 @@ def check_extras(cfg: Config) -> None:
     check_trackers(cfg.log)
 
 
-def check_run(cfg: Config) -> None:
+def check_training_run(cfg: Config) -> None:
     """Every cheap check of a training run, made once before it starts: by multicard's launcher
     before it starts workers, else by the training process: fsdp.units against the model (built on
     the meta device), the optional packages, and the resume settings against the checkpoint
@@ -80,3 +88,32 @@ def check_run(cfg: Config) -> None:
         check_units(cfg.model, list(cfg.fsdp.units), cfg.data.num_classes)
     check_extras(cfg)
     check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))
+
+
+def claim_out_dir(path: str, hold: bool, say: Callable[[str], None]) -> RunLock:
+    """out_dir, made and checked writable, with its lock: held when `hold` (the run's holder). A
+    run refused here leaves out_dir as it found it."""
+    fresh = not Path(path).exists()
+    lock = RunLock(prepare_out_dir(path), made_out_dir=fresh)
+    if hold:
+        try:
+            lock.acquire(say)
+        except UserError:
+            lock.refused()
+            lock.release()
+            raise
+    return lock
+
+
+@contextmanager
+def preflight(cfg: Config, hold_lock: bool, say: Callable[[str], None] = print) -> Iterator[RunLock]:
+    """A training run's checks (`check_training_run`) and out_dir claimed (`claim_out_dir`), for as long as
+    the run lasts: see the module docstring for who calls it. A run refused inside (bad input)
+    leaves out_dir as it found it (what a run wrote before failing stays)."""
+    check_training_run(cfg)
+    with claim_out_dir(cfg.out_dir, hold_lock, say) as lock:
+        try:
+            yield lock
+        except UserError:
+            lock.refused()
+            raise

@@ -11,7 +11,7 @@
             run.log(loss=loss)                          # rank 0: console, metrics.jsonl, trackers
         scores = run.evaluate(model, val_set, metric_fn)   # every sample once, any world size
 
-The run is assembled from the same parts as a command-line run (session.py): process group and
+The run is assembled by the same Assembly as a command-line run (assembly.py): process group and
 device, strategy, sampler, loop step, checkpointer, graceful stop, stall watchdog, console and
 trackers. Reference: docs/library.md.
 """

@@ -1,7 +1,7 @@
-"""What a Run needs before its model and data, built from its config as `multicard train`
-builds its own (session.py): the launcher's environment, the process group and device, the
-strategy, the batch split, graceful stop, out_dir and its lock, the console and metrics file,
-and (once the loop exists) the stall watchdog.
+"""What a Run needs before its model and data, built from its config by the Assembly that builds
+a `multicard train` run (assembly.py): the launcher's environment, the process group and device,
+the strategy, the batch split, graceful stop, out_dir and its lock, the console and metrics file,
+and (once the loop exists) the stall watchdog; later its checkpointer and sinks (training.py).
 
 Signal handlers are installed here, after the user's script has imported its own modules: a
 module that set SIGTERM to be ignored at import would otherwise disable the graceful stop.
@@ -10,29 +10,25 @@ module that set SIGTERM to be ignored at import would otherwise disable the grac
 from __future__ import annotations
 
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 from multicard.base.config import Config
 from multicard.base.errors import UserError
 from multicard.data import loader_processes
-from multicard.data.loading.sampling import BatchSplit
 from multicard.engine.loop import Loop
-from multicard.observe.telemetry import Reporter
+from multicard.run.assembly import Assembly
 from multicard.run.ending import on_error
-from multicard.run.preflight import check_extras, prepare_out_dir
-from multicard.run.session import seed_process, start_process, watch_for_stalls
+from multicard.run.preflight import check_extras, claim_out_dir
+from multicard.run.session import seed_process
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher
 from multicard.runtime.process_group import teardown
 from multicard.runtime.run_lock import RunLock
-from multicard.runtime.stopping import GracefulStop
-from multicard.strategy.topology import resolve
 
 
 class Runtime:
     def __init__(self, cfg: Config, script: str) -> None:
-        self.cfg, self.script = cfg, script
+        self.script = script
         self._stack = ExitStack()
         self.started = False  # training began: files of this run exist beside the lock
         self.lock: RunLock | None = None
@@ -40,22 +36,26 @@ class Runtime:
         env = detect_env()
         die_with_launcher(env)
         check_extras(cfg)
-        topology = resolve(cfg, env.world_size, env.local_world_size, env.launched)
-        self.ctx, self.strategy = start_process(cfg, env, topology)
-        self.split = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, self.ctx.world_size)
-        self.stop = self._stack.enter_context(GracefulStop(self.strategy.start_max, announce=self.ctx.is_main))
-        self.reporter = Reporter(self.ctx.is_main)
-        self._stack.callback(self.reporter.close)
-        fresh = not Path(cfg.out_dir).exists()
-        self.out_dir = prepare_out_dir(cfg.out_dir)
-        self.lock = RunLock(self.out_dir, made_out_dir=fresh)
-        if self.ctx.is_main:
-            self.lock.acquire(self.reporter.print)
+        self.parts = Assembly(cfg, env, stack=self._stack)
+        self.ctx, self.strategy = self.parts.ctx, self.parts.strategy
+        self.split = self.parts.batch_split
+        self.stop = self.parts.stop
+        self.reporter = self.parts.reporter
+        self.lock = claim_out_dir(cfg.out_dir, self.ctx.is_main, self.reporter.print)
+        self.out_dir = self.parts.out_dir
         seed_process(cfg.seed)  # a model built after this starts from the same weights on every rank
+
+    @property
+    def cfg(self) -> Config:
+        return self.parts.cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:  # run.epochs(n) sets train.epochs: the run's parts see it too
+        self.parts.cfg = cfg
 
     def watch(self, loop: Loop) -> None:
         """Heartbeats and stall reports for as long as the run lasts (debug.stall_s)."""
-        watch_for_stalls(self.cfg, self.ctx, loop, self._stack)
+        self.parts.watch(loop)
 
     def loader_processes(self, requested: int) -> int:
         if requested < 0:

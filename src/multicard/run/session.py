@@ -1,39 +1,32 @@
-"""Everything one training process builds from the config, ready to run.
+"""The recipes of a run's parts: the process and its strategy, the model, the optimizer, schedule
+and Trainer, the stall watchdog, and the lines a run starts with.
 
-`train`, `multicard bench` and `multicard verify` all build their runs here and drive the same
-`Trainer.fit`, so they measure and check the very objects a training run uses.
+`assembly.Assembly` builds each part of a run from these (for `train`, `eval`, `bench`, `verify`,
+`plan` and a user's loop alike), and `multicard plan` traces a step of a Trainer built by the same
+`assemble_trainer`, so every tool measures and checks the very objects a training run uses.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-from multicard.base.config import Config, ModelConfig, stall_seconds, to_dict
-from multicard.base.errors import MulticardError, Stopped
-from multicard.checkpoint import RunFacts
-from multicard.checkpoint.weights import load_weights
-from multicard.data import Data, build_data
-from multicard.data.augmentation.mixing import StepMix, mixing
+from multicard.base.config import Config, ModelConfig, stall_seconds
+from multicard.data.augmentation.mixing import StepMix
 from multicard.data.loading.loaders import EvalLoader, TrainLoader
 from multicard.data.loading.sampling import BatchSplit
 from multicard.engine.ema import WeightAverage
-from multicard.engine.loop import Callback, Loop
+from multicard.engine.loop import Loop
 from multicard.engine.trainer import Schedule, Trainer
-from multicard.observe.telemetry import Reporter, TensorBoardLog, TrainingLog
-from multicard.observe.tracking import TrackerLog
+from multicard.observe.telemetry import Reporter
 from multicard.observe.watchdog import Watchdog
 from multicard.runtime.environment import ProcessEnv, detect_env
-from multicard.runtime.process_group import ProcessContext, setup, teardown
+from multicard.runtime.process_group import ProcessContext, setup
 from multicard.runtime.stopping import GracefulStop
 from multicard.strategy.base import ModelSetup, Strategy
 from multicard.strategy.compilation import set_cudnn_benchmark
@@ -41,7 +34,7 @@ from multicard.strategy.factory import make_strategy
 from multicard.strategy.models import build_model, check_input_size
 from multicard.strategy.optim import OptimizerRecipe, build_scheduler, optimizer_recipe
 from multicard.strategy.precision import Precision
-from multicard.strategy.topology import Topology, resolve
+from multicard.strategy.topology import Topology
 
 
 def seeded_model(model: ModelConfig, seed: int, num_classes: int, image_size: int) -> torch.nn.Module:
@@ -62,9 +55,7 @@ def seed_process(seed: int) -> None:
 def start_process(cfg: Config, env: ProcessEnv, topology: Topology) -> tuple[ProcessContext, Strategy]:
     """Join the process group (if the strategy needs one), pick the device, build the strategy."""
     trace = stall_folder(cfg) if stall_seconds(cfg.debug) != 0 else None
-    ctx = setup(
-        env, topology.gpus, topology.distributed, cfg.threads, cfg.dist_timeout_s, cfg.net.socket_ifname, trace
-    )
+    ctx = setup(env, topology.gpus, topology.distributed, cfg.threads, cfg.dist_timeout_s, cfg.net.socket_ifname, trace)
     set_cudnn_benchmark(cfg.cudnn_benchmark)
     model_setup = ModelSetup(cfg.model.channels_last, cfg.compile_mode if cfg.compile else None)
     precision = Precision(cfg.precision, ctx.device.type)
@@ -132,16 +123,12 @@ def start_line(strategy: Strategy, precision: str, split: BatchSplit, what: str)
 
 
 def announce_start(
-    reporter: Reporter, out_dir: Path, config: dict[str, Any], line: str, loop: Loop,
-    resumed: tuple[Path, int] | None, notes: list[str], always: list[str] = (),
+    reporter: Reporter, line: str, loop: Loop, resumed: tuple[Path, int] | None, notes: list[str],
+    always: list[str] = (),
 ) -> None:  # fmt: skip
-    """What every training run writes and says as it starts: metrics.jsonl (continued after the
-    checkpoint it resumed, `resumed` = (path, step)) and config.yaml, both once it has trained a
-    step (a run refused before then leaves out_dir as it found it); its start line, the notes said
-    fresh or resumed (`always`), where it resumed (or its `notes`), and that nothing is left to
-    train when it is complete."""
-    resumed_at = resumed[1] if resumed is not None else None
-    reporter.run_files(out_dir / "metrics.jsonl", resumed_at, {out_dir / "config.yaml": OmegaConf.to_yaml(config)})
+    """What every training run says as it starts (its records are opened first: Assembly.announce):
+    its start line, the notes said fresh or resumed (`always`), where it resumed (`resumed` =
+    (path, step); or its `notes`), and that nothing is left to train when it is complete."""
     reporter.print(line)
     for note in always:
         reporter.print(note)
@@ -162,70 +149,5 @@ def announce_start(
         )
 
 
-def run_logs(
-    cfg: Config, out_dir: Path, reporter: Reporter, is_main: bool, resumed_at: int | None, loader: str
-) -> list[Callback]:
-    """Every logging callback of a training run (console and metrics.jsonl, TensorBoard, trackers),
-    as train attaches them and `multicard bench --logging` times them; `loader`: device, workers
-    or user (a user's loop)."""
-    logs: list[Callback] = [TrainingLog(reporter, cfg.data, loader)]
-    if cfg.log.tensorboard:
-        logs.append(TensorBoardLog(out_dir / "tensorboard", is_main, resumed_at))
-    if cfg.log.mlflow or cfg.log.wandb:
-        logs.append(TrackerLog(cfg, out_dir, is_main, resumed_at))
-    return logs
-
-
 def stall_folder(cfg: Config) -> Path:
     return Path(cfg.out_dir) / "stall"
-
-
-@dataclass
-class Session:
-    cfg: Config
-    ctx: ProcessContext
-    strategy: Strategy
-    batch_split: BatchSplit
-    data: Data
-    trainer: Trainer
-    run: RunFacts  # what checkpoints of this run record
-    notes: list[str]  # lines for the run's console (what model.weights loaded)
-    watchdog: Watchdog | None  # heartbeats and stall reports (None: debug.stall_s=0 or one process)
-
-
-@contextmanager
-def open_session(cfg: Config, env: ProcessEnv) -> Iterator[Session]:
-    """Set up the process group, data, model, optimizer and trainer, with graceful-stop signal
-    handling; tear all down on exit."""
-    topology = resolve(cfg, env.world_size, env.local_world_size, env.launched)
-    ctx, strategy = start_process(cfg, env, topology)
-    keep_group = False
-    try:
-        with ExitStack() as stack:
-            stop = stack.enter_context(GracefulStop(strategy.start_max, announce=ctx.is_main))
-            batch_split = BatchSplit(cfg.train.global_batch_size, cfg.train.grad_accum, ctx.world_size)
-            data = build_data(cfg.data, cfg.seed, batch_split, ctx)
-            stack.callback(data.close)
-            assert data.train is not None
-            steps_per_epoch = batch_split.steps_per_epoch(data.train.num_samples)
-            bare = seeded_model(cfg.model, cfg.seed, data.num_classes, cfg.data.image_size)
-            bare = bare.to(dtype=strategy.precision.param_dtype)  # weights load at the run's precision
-            notes = [load_weights(bare, cfg.model.weights)] if cfg.model.weights else []
-            model = strategy.prepare(bare)
-            seed_process(cfg.seed + ctx.rank)  # per-rank streams for anything stochastic in the model
-            schedule = training_schedule(cfg, steps_per_epoch, cfg.train.run_length(steps_per_epoch))
-            mix = mixing(cfg.mix, batch_split, ctx.rank, cfg.seed, data.num_classes)
-            trainer, _ = assemble_trainer(cfg, strategy, model, data.train, data.val, schedule, stop, mix)
-            watchdog = watch_for_stalls(cfg, ctx, trainer.loop, stack)
-            run = RunFacts(to_dict(cfg), data.classes, steps_per_epoch, ctx.world_size, data.fingerprint)
-            yield Session(cfg, ctx, strategy, batch_split, data, trainer, run, notes, watchdog)
-    except MulticardError as exc:
-        # An error of this rank alone: leave the process group open on the way out, so peers see
-        # its connections close only once it has exited (cli.main exits right after the message)
-        # and the launcher reports this rank's exit code, not a peer's "connection closed".
-        # A graceful stop is every rank's decision: it tears down as usual.
-        keep_group = ctx.world_size > 1 and not isinstance(exc, Stopped)
-        raise
-    finally:
-        if not keep_group:
-            teardown()

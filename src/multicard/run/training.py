@@ -24,7 +24,7 @@ from multicard.checkpoint import Checkpointer, RunFacts
 from multicard.engine.loop import Hooks, Loop, Position, Schedule, StepEnd
 from multicard.run.ending import on_error
 from multicard.run.logbook import Logbook
-from multicard.run.session import announce_start, run_logs, start_line
+from multicard.run.session import start_line
 from multicard.run.settings import saved_config
 from multicard.run.state import Monitor, UserState
 
@@ -109,9 +109,8 @@ class Training:
         spe = self.loaders[0].steps_per_epoch
         rt.cfg = cfg = dataclasses.replace(rt.cfg, train=dataclasses.replace(rt.cfg.train, epochs=n))
         loop.schedule = dataclasses.replace(loop.schedule, steps_per_epoch=spe, total_steps=cfg.train.run_length(spe))
-        facts = RunFacts(saved_config(cfg), [], spe, rt.ctx.world_size, script=rt.script)
-        folder = rt.out_dir / "checkpoints"
-        self.checkpointer = Checkpointer(folder, rt.strategy, cfg.checkpoint, facts, rt.reporter.print)
+        rt.parts.facts = RunFacts(saved_config(cfg), [], spe, rt.ctx.world_size, script=rt.script)
+        self.checkpointer = rt.parts.checkpointer
         resume_from = self.checkpointer.choose(cfg.train.resume)
         state = self.checkpointer.restore(resume_from, loop) if resume_from is not None else None
         if state is not None:
@@ -119,9 +118,8 @@ class Training:
         rt.started = self.begun = True
         resumed = (resume_from, state["step"]) if resume_from is not None and state is not None else None
         line = start_line(rt.strategy, cfg.precision, rt.split, f"script={rt.script}")
-        announce_start(rt.reporter, rt.out_dir, saved_config(cfg), line, loop, resumed, [])
-        resumed_at = resumed[1] if resumed is not None else None
-        logs = run_logs(cfg, rt.out_dir, rt.reporter, rt.ctx.is_main, resumed_at, "user")
+        rt.parts.announce(line, loop, resumed, config=saved_config(cfg))
+        logs = rt.parts.logs(resumed[1] if resumed is not None else None, loader="user")
         loop.hooks = Hooks([self.checkpointer, *logs])
         loop.hooks.on_fit_start(loop)
 

@@ -5,4 +5,49 @@ one topology.py chose), with its precision, compilation, optimizer and synced Ba
 Each strategy places and wraps the model, moves the collectives the trainer needs, skips
 gradient reduction on accumulation micro-steps, builds the optimizer (ZeRO-1 wraps it) and
 gives its state keyed by parameter name so any other strategy can load it.
+
+The names below are the package's public surface (the tools use these, never its modules).
+Importing the package stays light: each is loaded on first use (fsdp loads torch's sharding stack).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multicard.strategy.base import ModelSetup, Strategy, one_device_strategy
+    from multicard.strategy.fsdp_units import choose_units
+    from multicard.strategy.models import build_model, check_input_size
+    from multicard.strategy.optim import fused_on_shards
+    from multicard.strategy.precision import Precision
+    from multicard.strategy.topology import resolve
+
+_HOME = {  # public name -> the module that defines it
+    "ModelSetup": "base",
+    "Strategy": "base",
+    "one_device_strategy": "base",
+    "choose_units": "fsdp_units",
+    "build_model": "models",
+    "check_input_size": "models",
+    "fused_on_shards": "optim",
+    "Precision": "precision",
+    "resolve": "topology",
+}
+__all__ = [  # the keys of _HOME (tests/test_structure.py checks they agree)
+    "ModelSetup",
+    "Precision",
+    "Strategy",
+    "build_model",
+    "check_input_size",
+    "choose_units",
+    "fused_on_shards",
+    "one_device_strategy",
+    "resolve",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

@@ -145,3 +145,10 @@ class Strategy:
         self, bare: nn.Module, optimizer: torch.optim.Optimizer, model_state: StateDict, optim_state: StateDict
     ) -> None:
         set_state_dict(bare, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def one_device_strategy(ctx: ProcessContext, precision: Precision, channels_last: bool = False) -> Strategy:
+    """The single strategy on `ctx`'s device as a process of its own (rank 0 of 1, eager): what
+    `multicard plan` traces a step on and `multicard input-split` times one with."""
+    alone = ProcessContext(0, ctx.local_rank, 1, ctx.local_world_size, ctx.device, distributed=False, store=ctx.store)
+    return Strategy(alone, precision, ModelSetup(channels_last))

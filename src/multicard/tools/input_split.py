@@ -143,13 +143,10 @@ def step_seconds(cfg: Config, batch: int, num_classes: int, ctx: ProcessContext,
     """Seconds of one training step of the configured model on a random batch, through the run's loop
     (multicard.engine.loop: the step every run takes), in this one process."""
     from multicard.engine.loop import Loop, Schedule
-    from multicard.strategy.base import ModelSetup, Strategy
-    from multicard.strategy.models import build_model
-    from multicard.strategy.precision import Precision
+    from multicard.strategy import Precision, build_model, one_device_strategy
 
     device = ctx.device
-    strategy = Strategy(dataclasses.replace(ctx, rank=0, world_size=1), Precision(cfg.precision, device.type),
-                        ModelSetup(cfg.model.channels_last))  # fmt: skip
+    strategy = one_device_strategy(ctx, Precision(cfg.precision, device.type), cfg.model.channels_last)
     model = strategy.prepare(build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs)))
     loop = Loop(strategy, Schedule(steps_per_epoch=steps + 2, total_steps=steps + 2))
     loop.attach(model, torch.optim.SGD(model.parameters(), lr=0.01))

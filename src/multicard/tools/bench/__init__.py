@@ -22,7 +22,7 @@ from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.data import read_splits
 from multicard.runtime.process_group import cpu_cores, cuda_count
-from multicard.strategy.topology import resolve
+from multicard.strategy import resolve
 from multicard.tools.bench.cells import COMM_STEPS, MULTI_PROCESS, Variant, choose_cells
 from multicard.tools.bench.outputs import plot, print_table, write_json
 from multicard.tools.bench.runner import Timing, cell_config, make_rows, run_matrix

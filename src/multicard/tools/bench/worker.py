@@ -1,6 +1,6 @@
 """One rank of one bench cell: `python -m multicard.tools.bench.worker SPEC.json`.
 
-The multicard runner builds its run with `session.open_session`, exactly as `multicard train`
+The multicard runner builds its run with `Assembly`, exactly as `multicard train`
 does, and drives `Trainer.fit` with callbacks that time each optimizer step and read its
 phase split; the other runners are the yardsticks (plain loop, frameworks). Rank 0 writes the
 cell's result as JSON next to the spec.
@@ -8,7 +8,6 @@ cell's result as JSON next to the spec.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -16,14 +15,13 @@ from typing import Any
 
 import torch
 
-from multicard.base.config import Config, config_from_dict, to_yaml
+from multicard.base.config import Config, config_from_dict
 from multicard.base.errors import MulticardError
 from multicard.engine.phases import summary_ms
 from multicard.engine.step_timer import StepTimer
 from multicard.engine.trainer import Callback, StepEnd, Trainer, peak_memory_mb
-from multicard.observe.telemetry import Reporter
+from multicard.run.assembly import Assembly
 from multicard.run.preflight import check_extras
-from multicard.run.session import Session, open_session, run_logs
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.tools.bench.cells import COMM_STEPS
@@ -63,7 +61,7 @@ class CommSpans(Callback):
         self.timer.end_step()
 
 
-def _allreduce(s: Session, start: int, steps: int) -> dict[str, Any]:
+def _allreduce(s: Assembly, start: int, steps: int) -> dict[str, Any]:
     """Gradient bytes, a raw all_reduce of that many bytes, and DDP's achieved rate in training;
     a cell of few timed steps measures these few times too."""
     nbytes = gradient_bytes(s.trainer.bare)
@@ -80,22 +78,20 @@ def _allreduce(s: Session, start: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def run_logs_of(s: Session, stack: contextlib.ExitStack) -> list[Callback]:
+def run_logs_of(s: Assembly) -> list[Callback]:
     """The run's logging callbacks as `multicard train` attaches them, writing into the cell's out_dir."""
     check_extras(s.cfg)
-    out_dir = Path(s.cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reporter = Reporter(s.ctx.is_main)
-    stack.callback(reporter.close)
-    reporter.run_files(out_dir / "metrics.jsonl", None, {out_dir / "config.yaml": to_yaml(s.cfg)})
-    return run_logs(s.cfg, out_dir, reporter, s.ctx.is_main, None, s.data.loader)
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    s.open_records(None)
+    return s.logs(None)
 
 
 def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int, logging: bool) -> dict[str, Any] | None:
-    with open_session(cfg, detect_env()) as s, contextlib.ExitStack() as stack:
+    with Assembly(cfg, detect_env()) as s:
+        trainer = s.trainer  # built before the timer starts
         timer = StepTimer(s.ctx.device, warmup)
         held = HeldState()
-        s.trainer.fit([timer, held, *(run_logs_of(s, stack) if logging else [])], until=warmup + steps, validate=False)
+        trainer.fit([timer, held, *(run_logs_of(s) if logging else [])], until=warmup + steps, validate=False)
         comm = _allreduce(s, warmup + steps, steps) if strategy == "ddp" else None
         peaks = [mb for rank in s.strategy.all_gather_object(peak_memory_mb(s.strategy.devices)) for mb in rank]
         held_per_rank = s.strategy.all_gather_object(held.mib)

@@ -25,11 +25,14 @@ from multicard.base.config import Config
 from multicard.base.errors import UserError
 from multicard.run.session import assemble_trainer, training_schedule
 from multicard.runtime.process_group import ProcessContext
-from multicard.strategy.base import ModelSetup, Strategy
-from multicard.strategy.fsdp_units import choose_units
-from multicard.strategy.models import build_model, check_input_size
-from multicard.strategy.optim import fused_on_shards
-from multicard.strategy.precision import Precision
+from multicard.strategy import (
+    Precision,
+    build_model,
+    check_input_size,
+    choose_units,
+    fused_on_shards,
+    one_device_strategy,
+)
 from multicard.tools.plan.fake import FakeWorld
 from multicard.tools.plan.ops import OpRecorder, OpSeries
 
@@ -178,8 +181,8 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     """Trace one optimizer step of `cfg` at micro-batch `batch` on one device (no accumulation)."""
     world = FakeWorld()
     precision = _trace_precision(cfg)
-    strategy = Strategy(ProcessContext(0, 0, 1, 1, torch.device("cpu"), False), precision,
-                        ModelSetup(cfg.model.channels_last, None))  # fmt: skip
+    cpu = ProcessContext(0, 0, 1, 1, torch.device("cpu"), False)
+    strategy = one_device_strategy(cpu, precision, cfg.model.channels_last)
     with world.building():
         bare = build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs))
         model = strategy.prepare(bare)  # before any forward: views of parameters would block its .to()

@@ -1,6 +1,6 @@
 """One rank of a `multicard plan --measure` run: `python -m multicard.tools.plan.worker SPEC.json`.
 
-The run is built by `session.open_session`, exactly as `multicard train` builds it, and
+The run is built by `Assembly`, exactly as `multicard train` builds it, and
 driven by `Trainer.fit`: first `memory_steps` steps with memory measured (CPU: the profiler's
 allocation events from before the session is built, through the first warm-up step; CUDA:
 torch.cuda.max_memory_allocated), then `warmup` untimed and `steps` timed steps. Rank 0 writes
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from multicard.base.config import Config, config_from_dict, parse_devices
 from multicard.engine.step_timer import StepTimer
-from multicard.run.session import open_session
+from multicard.run.assembly import Assembly
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.runtime.process_group import resolve_gpus
@@ -64,7 +64,8 @@ def run_rank(
         torch.cuda.reset_peak_memory_stats()
     elif prof is not None:
         prof.start()
-    with open_session(cfg, env) as s:
+    with Assembly(cfg, env) as s:
+        s.trainer  # noqa: B018 -- the whole run is built where the memory profile starts, as train builds it
         peak, before, rss, warmed = _memory_steps(s, memory_steps, warmup, cuda, prof)
         timer = StepTimer(s.ctx.device, warmup - warmed)
         s.trainer.fit([timer], until=memory_steps + warmup + steps, validate=False)

@@ -32,7 +32,7 @@ from multicard.base.config import Config, load_config, to_dict, with_overrides
 from multicard.base.errors import ExitCode, MulticardError, UserError
 from multicard.runtime.launch import run_spec
 from multicard.runtime.process_group import threads_per_process
-from multicard.strategy.models import build_model
+from multicard.strategy import build_model
 from multicard.tools.verify.checks import (
     CHECKS,
     FAULTS,

@@ -1,6 +1,6 @@
 """One rank of a verify run: `python -m multicard.tools.verify.worker SPEC.json`.
 
-Builds the run with `session.open_session` as `multicard train` does and drives `Trainer.fit`.
+Builds the run with `Assembly` as `multicard train` does and drives `Trainer.fit`.
 A run does up to two things, in this order, recording what the checks compare:
 
 - `train`: K optimizer steps from scratch, as "job" (the configured setup, with its faults; at
@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 
-from multicard.base.atomic import save_atomic
 from multicard.base.config import config_from_dict
 from multicard.base.errors import MulticardError
-from multicard.checkpoint import Checkpointer
-from multicard.checkpoint.sharded import TRAIN_STATE
+from multicard.checkpoint import Checkpointer, edit_resume_state
 from multicard.engine.trainer import Callback, StepEnd, Trainer, evaluate, rng_state
-from multicard.run.session import Session, open_session, seed_process
+from multicard.run.assembly import Assembly
+from multicard.run.session import seed_process
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.tools.verify.checks import RESUME_FAULTS, resume_cut
@@ -60,7 +59,7 @@ def _sample_indices(loader: Any, epochs: int) -> list[list[int]]:
     return out
 
 
-def _global_batch(s: Session, epoch: int, step: int, walk: bool) -> list[int]:
+def _global_batch(s: Assembly, epoch: int, step: int, walk: bool) -> list[int]:
     """The samples, over all ranks, of optimizer step `step` of `epoch`: reached by walking the
     epoch from its start (as an uninterrupted run reaches it) or by asking the loader to start
     there (as a resumed run does). Sorted: the order within a global batch depends on the world size."""
@@ -103,28 +102,23 @@ class StopAt(Callback):
             self.state = _state(trainer, self.next_batch)
 
 
-def _checkpointer(s: Session) -> Checkpointer:
-    """The run's checkpointer, as `multicard train` makes it."""
-    return Checkpointer(Path(s.cfg.out_dir) / "checkpoints", s.strategy, s.cfg.checkpoint, s.run)
-
-
 def _break_checkpoint(path: Path, faults: list[str], seed: int) -> None:
     """Rank 0: drop state from the checkpoint at `path` on purpose (`--break rng`, `data-position`)."""
-    holder = path / TRAIN_STATE if path.is_dir() else path  # where a format keeps position and streams
-    state = torch.load(holder, map_location="cpu", weights_only=True)
-    resume = state["resume"]
-    if "rng" in faults:
-        streams = []
-        for rank in range(len(resume["rng"])):
-            seed_process(seed + OTHER_SEED + rank)  # this run is done: its own streams no longer matter
-            streams.append(rng_state())
-        resume["rng"] = streams
-    if "data-position" in faults:
-        resume["position"]["step_in_epoch"] = 0
-    save_atomic(state, holder)
+
+    def drop(resume: dict[str, Any]) -> None:
+        if "rng" in faults:
+            streams = []
+            for rank in range(len(resume["rng"])):
+                seed_process(seed + OTHER_SEED + rank)  # this run is done: its own streams no longer matter
+                streams.append(rng_state())
+            resume["rng"] = streams
+        if "data-position" in faults:
+            resume["position"]["step_in_epoch"] = 0
+
+    edit_resume_state(path, drop)
 
 
-def _train(s: Session, spec: dict[str, Any], summary: dict[str, Any], states: dict[str, Any]) -> None:
+def _train(s: Assembly, spec: dict[str, Any], summary: dict[str, Any], states: dict[str, Any]) -> None:
     trainer, loader, job = s.trainer, s.trainer.train_loader, spec["train"] == "job"
     if job:
         _inject(spec["faults"], loader, s.ctx.rank)
@@ -133,7 +127,7 @@ def _train(s: Session, spec: dict[str, Any], summary: dict[str, Any], states: di
     cut = resume_cut(spec["steps"], spe) if spec.get("stop") else None
     stop = None
     if cut is not None:
-        stop = StopAt(cut, _checkpointer(s), _global_batch(s, cut // spe, cut % spe, walk=True))
+        stop = StopAt(cut, s.checkpointer, _global_batch(s, cut // spe, cut % spe, walk=True))
     trainer.fit([stop] if stop else [], until=spec["steps"], validate=False)
     if stop is not None:
         states.update(cut=stop.state, end=_state(trainer))
@@ -155,11 +149,11 @@ def _train(s: Session, spec: dict[str, Any], summary: dict[str, Any], states: di
         s.strategy.barrier()
 
 
-def _resume(s: Session, spec: dict[str, Any], states: dict[str, Any]) -> None:
+def _resume(s: Assembly, spec: dict[str, Any], states: dict[str, Any]) -> None:
     trainer = s.trainer
     if spec["train"] != "job":
         _inject(spec["faults"], trainer.train_loader, s.ctx.rank)  # the job resumes as it was set up
-    _checkpointer(s).restore(Path(spec["resume"]), trainer)
+    s.checkpointer.restore(Path(spec["resume"]), trainer)
     pos = trainer.position
     states["resumed"] = _state(trainer, _global_batch(s, pos.epoch, pos.step_in_epoch, walk=False))
     trainer.fit(until=spec["steps"], validate=False)
@@ -173,7 +167,7 @@ def main(argv: list[str]) -> int:
     summary: dict[str, Any] = {}
     states: dict[str, Any] = {}
     try:
-        with open_session(config_from_dict(spec["config"]), env) as s:
+        with Assembly(config_from_dict(spec["config"]), env) as s:
             if spec["train"]:
                 _train(s, spec, summary, states)
             if spec.get("resume"):
