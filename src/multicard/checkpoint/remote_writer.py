@@ -22,7 +22,7 @@ import torch
 from multicard.base.errors import UserError
 from multicard.base.storage import storage_error
 from multicard.checkpoint.remote import PREFIX, RemoteFolder
-from multicard.checkpoint.sharded import COMPLETE, TENSORS, TRAIN_STATE, dcp_api
+from multicard.checkpoint.sharded import COMPLETE, TENSORS, TRAIN_STATE, dcp_api, save_tensors
 from multicard.engine.loop import Loop
 from multicard.runtime.process_group import ProcessContext
 
@@ -102,17 +102,8 @@ class RemoteWriter:
         name = url.rsplit("/", 1)[-1]
         if ctx.is_main:
             self.store.upload(f"{name}/{TRAIN_STATE}", serialised({k: v for k, v in state.items() if k not in TENSORS}))
-        tensors = {k: state[k] for k in TENSORS if k in state}
-        dcp = dcp_api()
-        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         with _said(url):
-            if background is None:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process saves alone
-                    dcp.save(tensors, checkpoint_id=url, planner=planner)
-                pending = None
-            else:
-                pending = dcp.async_save(tensors, checkpoint_id=url, planner=planner, process_group=background)
+            pending = save_tensors(state, url, background)
 
         def complete() -> None:
             if pending is not None:

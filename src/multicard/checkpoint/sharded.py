@@ -99,19 +99,8 @@ class Sharded:
                 shutil.rmtree(tmp, ignore_errors=True)  # the other ranks, waiting below, lose rank 0 and end
                 raise
         ctx.barrier()
-        tensors = {k: state[k] for k in TENSORS if k in state}
-        # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
-        dcp = dcp_api()
-        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         with _unwritable(path, tmp, ctx):
-            if background is None:
-                with warnings.catch_warnings():
-                    # One process without a process group saves alone (DCP warns that it assumes so).
-                    warnings.filterwarnings("ignore", "torch.distributed is disabled")
-                    dcp.save(tensors, checkpoint_id=tmp, planner=planner)
-                pending = None
-            else:
-                pending = dcp.async_save(tensors, checkpoint_id=tmp, planner=planner, process_group=background)
+            pending = save_tensors(state, tmp, background)
 
         def complete() -> None:
             if pending is not None:
@@ -197,6 +186,22 @@ class Sharded:
             for name, m in metadata.items()
             if name.startswith(prefix) and isinstance(m, dcp.metadata.TensorStorageMetadata)
         }
+
+
+def save_tensors(state: dict[str, Any], checkpoint_id: Path | str, background: Any) -> Any:
+    """Every rank's shard of the state's tensors to `checkpoint_id` (a folder or a URL) through DCP;
+    in the background (`background`: the process group for it) the pending save, else None."""
+    tensors = {k: state[k] for k in TENSORS if k in state}
+    dcp = dcp_api()
+    # Rank 0's copy of replicated tensors (BatchNorm statistics, everything under ddp).
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    if background is not None:
+        return dcp.async_save(tensors, checkpoint_id=checkpoint_id, planner=planner, process_group=background)
+    with warnings.catch_warnings():
+        # One process without a process group saves alone (DCP warns that it assumes so).
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=checkpoint_id, planner=planner)
+    return None
 
 
 def dcp_api() -> Any:
