@@ -16,7 +16,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import S3_SECRET, TINY, max_rel_diff, run_here, s3_environment, slowed, start, wait_for
+from conftest import (
+    S3_SECRET,
+    TINY,
+    assert_bitwise_equal,
+    max_rel_diff,
+    run_here,
+    s3_environment,
+    slowed,
+    start,
+    wait_for,
+)
 from multicard.base import storage
 from multicard.base.config import Config, load_config, to_dict
 from multicard.base.errors import UserError
@@ -88,13 +98,15 @@ def committed_on_the_server(prefix: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_at_another_world_size_as_uninterrupted(
+def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_bitwise_and_at_another_world_size(
         bucket, s3_env, tmp_path):  # fmt: skip
-    url = f"s3://{bucket}/sigterm/checkpoints"
+    """One process stopped by SIGTERM mid-epoch with checkpoint.dir on the server; its checkpoint resumed
+    by ddp×2 (within 1e-10 of the uninterrupted run) and by one process again (bitwise)."""
+    url, other = f"s3://{bucket}/sigterm/checkpoints", f"s3://{bucket}/sigterm-ddp2/checkpoints"
     reference = tmp_path / "reference"
     run_here("train", *EXACT, f"out_dir={reference}")
-    args = ("--nproc-per-node", "2", *EXACT, "data.loader=workers", "data.num_workers=1", f"checkpoint.dir={url}")
-    proc = start("train", *args, f"out_dir={tmp_path / 'run'}", env={**s3_env, **slowed(150)})
+    proc = start("train", *EXACT, f"checkpoint.dir={url}", f"out_dir={tmp_path / 'run'}",
+                 env={**s3_env, **slowed(150, rank=0)})  # fmt: skip
     wait_for(lambda: committed_on_the_server("sigterm/"), what="the first committed checkpoint")
     os.kill(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -104,13 +116,19 @@ def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_at_another_world_
     said = [line for line in err.splitlines() if "stopped by SIGTERM" in line][0]
     assert f"checkpoint {url}/step-{stopped:09d}.pt written" in said and "(the save took " in said, said
     assert "a save (a stop's too) takes about" in out  # the start-up estimate
+    expected = read_checkpoint(reference / "checkpoints" / "last.pt")["model"]
+
+    ddp2 = run_here("train", "--nproc-per-node", "2", *EXACT, f"train.resume={url}/step-{stopped:09d}.pt",
+                    f"checkpoint.dir={other}", f"out_dir={tmp_path / 'ddp2'}")  # fmt: skip
+    assert f"resumed from {url}/step-{stopped:09d}.pt" in ddp2
+    assert max_rel_diff(read_checkpoint(f"{other}/last")["model"], expected) < 1e-10
+
     resumed = run_here("train", *EXACT, f"checkpoint.dir={url}", f"out_dir={tmp_path / 'run'}")
     assert f"resumed from {url}/step-{stopped:09d}.pt" in resumed
-    a, b = read_checkpoint(f"{url}/last")["model"], read_checkpoint(reference / "checkpoints" / "last.pt")["model"]
-    assert max_rel_diff(a, b) < 1e-10
+    assert_bitwise_equal(read_checkpoint(f"{url}/last")["model"], expected)
     assert not (tmp_path / "run" / "checkpoints").exists()  # out_dir keeps the logs, the bucket the checkpoints
     for text in (
-        out + err + resumed,
+        out + err + resumed + ddp2,
         *((tmp_path / "run" / name).read_text() for name in ("config.yaml", "metrics.jsonl")),
     ):
         assert S3_SECRET not in text
