@@ -296,3 +296,72 @@ def test_35_20_a_split_that_fits_is_read_in_whole_shards_once_per_process(packed
         assert len(requests) == pieces and {name for name, *_ in requests} == {remote.names[s] for s in touched}
     else:
         assert len(requests) == 2 * len(remote._runs(batch))  # every batch read again
+
+
+def _reader(root: str, *options: str):
+    """A new reader of the training split (another loader process, or a later run), its shard requests counted."""
+    source = read_splits(load_config(None, ["data.name=shards", f"data.root={root}", *options]).data, 0).train.dataset
+    source.requests = []
+    read = source.remote.read
+    source.remote.read = lambda *args: source.requests.append(args[0]) or read(*args)
+    return source
+
+
+def _read_all(source, local) -> None:
+    """Every sample prefetched and taken: the same bytes as the pack on local disk."""
+    everything = [int(i) for i in np.random.default_rng(1).permutation(len(local))]
+    source.prefetch(everything)
+    assert [source[i][0].data for i in everything] == [local[i][0].data for i in everything]
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-shards", "ranged"])
+def test_35_30_a_local_cache_serves_later_readers_without_a_request(packed, uploaded, s3_env, monkeypatch, tmp_path,
+                                                                    whole):  # fmt: skip
+    """data.remote_cache_gb: shards downloaded whole once on the node; a later reader (another loader process,
+    a later run) reads them from local disk, with the same bytes; a split larger than WHOLE_SPLIT_BYTES is
+    then read from the cached files rather than by ranged requests."""
+    from multicard.data.sources import remote_shards
+
+    monkeypatch.setattr(remote_shards, "WHOLE_SPLIT_BYTES", remote_shards.WHOLE_SPLIT_BYTES if whole else 0)
+    local = read_splits(load_config(None, ["data.name=shards", f"data.root={packed}"]).data, 0).train.dataset
+    options = ("data.remote_cache_gb=1", f"data.cache_dir={tmp_path}")
+    first = _reader(uploaded, *options)
+    _read_all(first, local)
+    assert sorted(set(first.requests)) == sorted(first.names)  # each shard downloaded whole
+    assert len(first.requests) == len(first.names)  # once (in one piece: they are smaller than PIECE_BYTES)
+    cached = sorted((tmp_path / "remote-shards").glob("*.tar"))
+    assert sorted(path.stat().st_size for path in cached) == sorted(local.split.shard_bytes)
+    later = _reader(uploaded, *options)
+    _read_all(later, local)
+    _read_all(later, local)  # and a second epoch
+    assert later.requests == []
+
+
+def test_35_31_the_local_cache_stays_within_its_bound_least_recently_used_evicted(packed, uploaded, s3_env,
+                                                                                   tmp_path):  # fmt: skip
+    """At most data.remote_cache_gb on disk: older shards are evicted as newer ones are stored, the evicted
+    read again from the URL by a later reader, the cached ones not; a shard larger than the bound is not cached."""
+    local = read_splits(load_config(None, ["data.name=shards", f"data.root={packed}"]).data, 0).train.dataset
+    sizes = local.split.shard_bytes
+    bound = sum(sorted(sizes)[-2:])  # room for any two shards, not for all
+    options = (f"data.remote_cache_gb={bound / 2**30:.12f}", f"data.cache_dir={tmp_path}")
+    first = _reader(uploaded, *options)
+    assert first.cache.max_bytes == bound  # the GB given, to the byte
+    for shard in range(len(sizes)):  # one shard after another: the order of use is the shards' order
+        first[int(np.flatnonzero(local.shard_of == shard)[0])]
+    folder = tmp_path / "remote-shards"
+    kept = {path.name for path in folder.glob("*.tar")}
+    assert sum(path.stat().st_size for path in folder.iterdir()) <= first.cache.max_bytes
+    assert f"{first.keys[-1]}.tar" in kept and f"{first.keys[0]}.tar" not in kept  # the newest kept, the oldest not
+    later = _reader(uploaded, *options)
+    _read_all(later, local)
+    evicted = {name for name, key in zip(later.names, later.keys, strict=True) if f"{key}.tar" not in kept}
+    assert set(later.requests) == evicted and evicted
+    tiny = _reader(uploaded, "data.remote_cache_gb=0.000000001", f"data.cache_dir={tmp_path / 'tiny'}")
+    _read_all(tiny, local)
+    assert not list((tmp_path / "tiny").rglob("*.tar"))  # every shard larger than 1 byte: none cached
+
+
+def test_35_32_a_negative_remote_cache_size_is_refused():
+    with pytest.raises(UserError, match=r"data.remote_cache_gb=-1.0 must be >= 0"):
+        load_config(None, ["data.remote_cache_gb=-1.0"])

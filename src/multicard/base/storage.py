@@ -131,9 +131,13 @@ class Remote:
 
     def sizes(self) -> dict[str, int]:
         """name → size of every object directly under the URL (one listing)."""
+        return {name: int(entry["size"]) for name, entry in self.objects().items()}
+
+    def objects(self) -> dict[str, dict[str, Any]]:
+        """name → listing entry (size, ETag…) of every object directly under the URL (one listing)."""
         fs, root = self.fs()
         listing = self.attempt(self.url, lambda: fs.ls(root, detail=True))
-        return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry["size"]) for entry in listing}
+        return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in listing}
 
     def attempt(self, url: str, call: Callable[[], T], action: str = "read") -> T:
         """call(), tried again on transient errors; then, or on any other error of storage, one line
@@ -149,6 +153,11 @@ class Remote:
                 sleep(wait)
                 waited += wait
         raise AssertionError("unreachable")
+
+
+def etag(entry: dict[str, Any]) -> str:
+    """An object's version as its listing gives it (s3: ETag, gcs: md5Hash or etag, az: etag); '' if none."""
+    return str(entry.get("ETag") or entry.get("etag") or entry.get("md5Hash") or "").strip('"').lower()
 
 
 def _chain(exc: BaseException | None):

@@ -24,6 +24,7 @@ FREE_TO_CHANGE = (
     "ddp.find_unused_parameters", "ddp.broadcast_buffers", "fsdp.", "debug.", "log.", "model.weights",
     "data.root", "data.val_root", "data.loader", "data.num_workers", "data.cache_dir", "data.download",
     "data.eval_batch_size", "data.val_size", "data.decode", "data.read_retries",
+    "data.remote_cache_gb",
 )  # fmt: skip
 
 

@@ -56,6 +56,7 @@ from multicard.data.sources.remote_shards import (
     uploaded_index,
 )
 from multicard.data.sources.samples import encoded_sample, image_header
+from multicard.data.sources.shard_cache import GB, ShardCache
 from multicard.data.sources.shards import ShardSamples, order_of, prefetch_items, shard_splits
 from multicard.data.sources.synthetic import CLASSES, make_synthetic
 from multicard.data.sources.user import decode_items, function_splits, to_picture
@@ -114,7 +115,8 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
     elif ":" in d.name:
         splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
     elif d.name == "shards":
-        splits = (remote_shard_splits(d.root, d.reads_in_flight, d.read_retries) if is_url(d.root)
+        cache = ShardCache(cache_folder(d), round(d.remote_cache_gb * GB)) if d.remote_cache_gb else None
+        splits = (remote_shard_splits(d.root, d.reads_in_flight, d.read_retries, cache) if is_url(d.root)
                   else shard_splits(Path(d.root), d.reads_in_flight))  # fmt: skip
     elif d.name == "hf":
         from multicard.data.sources.hf import hf_splits  # imports the optional datasets package
@@ -127,6 +129,11 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         check_same_classes(splits.classes, classes, Path(d.val_root))
         splits = Splits(splits.train, val, splits.classes)
     return splits
+
+
+def cache_folder(d: DataConfig) -> Path:
+    """Where decoded images and remote shards are cached (data.cache_dir, default ~/.cache/multicard)."""
+    return Path(d.cache_dir) if d.cache_dir else default_cache_dir()
 
 
 def sample_list_fingerprint(source: Source) -> str | None:
@@ -287,7 +294,7 @@ def _device_loaders(
     train_finish: DeviceTransform, eval_finish: DeviceTransform,
 ) -> tuple[DeviceTrainLoader | None, DeviceEvalLoader]:  # fmt: skip
     """The device loader's training (with a sampler) and validation loaders: decoded images in memory."""
-    cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    cache_dir = cache_folder(d)
     parts = {"val": splits.val} if sampler is None else {"train": splits.train, "val": splits.val}
     # Local rank 0 fills the cache of decoded files first; items have no cache: every rank decodes at once.
     cached = any(isinstance(src, Files) for src in parts.values())

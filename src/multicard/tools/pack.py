@@ -410,7 +410,7 @@ def _pack_at(out: Path | str) -> tuple[shard_format.Index, dict[str, Any], Calla
     shard's bytes are opened."""
     if is_url(str(out)):
         remote = Remote(str(out), DataConfig().read_retries)
-        index, raw = read_remote_index(remote, f"--verify {remote.url}")
+        index, raw, _ = read_remote_index(remote, f"--verify {remote.url}")
         return index, raw, lambda url: io.BytesIO(remote.read(url.rsplit("/", 1)[-1]))
     index = shard_format.read_index(Path(out), f"--verify {out}")
     for split in index.splits.values():

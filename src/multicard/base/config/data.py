@@ -36,6 +36,9 @@ class DataConfig:
     root: str | None = None  # dataset directory (cifar10, imagefolder, shards); shards: or a URL (s3://bucket/prefix)
     reads_in_flight: int = 8  # shards: reads of a batch kept in flight per loader process (shared storage)
     read_retries: int = 5  # shards at a URL: retries of a read failing transiently, 0.5 s, 1 s, 2 s, … apart
+    # shards at a URL: a cache of whole shards on local disk (in cache_dir), shared by the node's processes and
+    # runs, of at most this many GB, least recently used evicted (data/sources/shard_cache.py); 0 = off
+    remote_cache_gb: float = 0
     # global: a full shuffle each epoch | local (opt-in): shuffled runs of 64 samples stored together, shuffled
     # within windows of 16 runs, so a batch reads few runs of a shard (docs/data.md; its shuffle quality is measured)
     order: str = "global"
@@ -48,7 +51,7 @@ class DataConfig:
     # CUDA with nvjpeg, crops made there) | auto (gpu where CUDA is in use, else cpu)
     decode: str = "cpu"
     num_workers: int = -1  # workers loader: processes per rank; -1 = cores per rank, at most 8; capped to those cores
-    cache_dir: str | None = None  # device loader's decoded-image cache; default ~/.cache/multicard
+    cache_dir: str | None = None  # device loader's decoded images, remote_cache_gb's shards; default ~/.cache/multicard
     image_size: int = 32  # side of training images (generated, decoded or cropped)
     eval_resize: int = 0  # large images: resize before the centre crop; 0 = eval_size × 8/7
     eval_size: int = 0  # large images: side of the evaluation crop; 0 = image_size (recipes train smaller)
@@ -92,6 +95,7 @@ class DataConfig:
             raise UserError(f"data.val_fraction={self.val_fraction} must be between 0 and 1")
         positive(self.reads_in_flight, "data.reads_in_flight")
         positive(self.read_retries, "data.read_retries", zero_ok=True)
+        positive(self.remote_cache_gb, "data.remote_cache_gb", zero_ok=True)
         choice(self.order, "data.order", ("global", "local"))
         if self.num_workers < -1:
             raise UserError(f"data.num_workers={self.num_workers} must be -1 (auto) or >= 0")

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from multicard.base.errors import UserError
-from multicard.base.storage import Remote
+from multicard.base.storage import Remote, etag
 from multicard.data.sources.folders import Splits
+from multicard.data.sources.shard_cache import ShardCache, shard_key
 from multicard.data.sources.shard_format import (
     INDEX,
     MD5,
@@ -45,52 +46,102 @@ PIECE_BYTES = 8 << 20  # a whole shard is read in requests of at most this size,
 
 class RemoteShardSamples(ShardSamples):
     """ShardSamples whose shards are objects, read through this process's own session: whole shards,
-    kept, for a split of at most WHOLE_SPLIT_BYTES; else each read a ranged request."""
+    kept, for a split of at most WHOLE_SPLIT_BYTES; else each read a ranged request. With a local
+    `cache` (shard_cache.py; `keys`: each shard's name there), whole shards come from it where it holds
+    them and are stored in it once downloaded; a larger split the cache can hold whole is then read from
+    the cached files (each shard downloaded whole on its first read), one it cannot by ranged requests."""
 
-    def __init__(self, split: PackedSplit, remote: Remote, reads_in_flight: int = 1) -> None:
+    def __init__(self, split: PackedSplit, remote: Remote, reads_in_flight: int = 1, cache: ShardCache | None = None,
+                 keys: list[str] | None = None) -> None:  # fmt: skip
         super().__init__(split, reads_in_flight)
         self.remote = remote
         self.names = [str(url).rsplit("/", 1)[-1] for url in split.shards]
         self.whole = sum(split.shard_bytes) <= WHOLE_SPLIT_BYTES
+        # a split larger than the cache would evict each shard before its next read: a shard per sample
+        fits = cache is not None and sum(split.shard_bytes) <= cache.max_bytes
+        self.cache = cache if self.whole or fits else None
+        self.keys = keys or []
 
     def _own(self) -> None:
         if self._pid != os.getpid():
             super()._own()
             self._kept: dict[int, bytes] = {}  # shard → its bytes, read whole (a forked process reads its own)
+            self._uncached: set[int] = set()  # shards the cache could not take: read by ranged requests
 
     def _open(self, shards: set[int]) -> None:
         self.remote.fs()  # the session, opened before the pool's threads share it
-        missing = sorted(shards - self._kept.keys()) if self.whole else []
-        pieces = [(shard, start, min(start + PIECE_BYTES, self.split.shard_bytes[shard]))
-                  for shard in missing for start in range(0, self.split.shard_bytes[shard], PIECE_BYTES)]  # fmt: skip
+        if self.whole:
+            missing = sorted(shards - self._kept.keys())
+            self._kept.update(zip(missing, self._whole_shards(missing), strict=True))
+        elif self.cache is not None:
+            missing = [shard for shard in sorted(shards) if shard not in self._fds and shard not in self._uncached]
+            for shard in [shard for shard in missing if not self._open_cached(shard)]:
+                self._uncached.add(shard)  # until downloaded and stored: ranged requests if it cannot be
+            for shard, data in self._download([shard for shard in missing if shard in self._uncached]).items():
+                self.cache.put(self.keys[shard], data)
+                if self._open_cached(shard):
+                    self._uncached.discard(shard)
+
+    def _open_cached(self, shard: int) -> bool:
+        fd = self.cache.open(self.keys[shard], self.split.shard_bytes[shard])
+        if fd is not None:
+            self._fds[shard] = fd
+        return fd is not None
+
+    def _whole_shards(self, shards: list[int]) -> list[bytes]:
+        """These shards' bytes: from the cache where it holds them, else downloaded (and stored in it)."""
+        sizes = self.split.shard_bytes
+        found = {shard: self.cache.read(self.keys[shard], sizes[shard]) for shard in shards} if self.cache else {}
+        downloaded = self._download([shard for shard in shards if found.get(shard) is None])
+        for shard, data in downloaded.items():
+            if self.cache is not None:
+                self.cache.put(self.keys[shard], data)
+        return [downloaded[shard] if shard in downloaded else found[shard] for shard in shards]
+
+    def _download(self, shards: list[int]) -> dict[int, bytes]:
+        """These shards read whole from the URL, in requests of PIECE_BYTES, `reads_in_flight` at once."""
+        sizes = self.split.shard_bytes
+        pieces = [(shard, start, min(start + PIECE_BYTES, sizes[shard]))
+                  for shard in shards for start in range(0, sizes[shard], PIECE_BYTES)]  # fmt: skip
         if not pieces:
-            return
+            return {}
         with ThreadPoolExecutor(max(1, self.reads_in_flight), thread_name_prefix="multicard-shard-read") as pool:
             data = list(pool.map(lambda piece: self.remote.read(self.names[piece[0]], *piece[1:]), pieces))
-        for shard in missing:
-            self._kept[shard] = b"".join(part for (s, *_), part in zip(pieces, data, strict=True) if s == shard)
+        return {shard: b"".join(part for (s, *_), part in zip(pieces, data, strict=True) if s == shard)
+                for shard in shards}  # fmt: skip
 
     def _pread(self, shard: int, length: int, start: int) -> bytes:
-        if not self.whole:
-            return self.remote.read(self.names[shard], start, start + length)
-        if shard not in self._kept:  # a read outside prefetch (one sample at a time)
-            self._open({shard})
-        return self._kept[shard][start : start + length]
+        if self.whole or self.cache is not None:
+            if shard not in self._kept and shard not in self._fds and shard not in self._uncached:
+                self._open({shard})  # a read outside prefetch (one sample at a time)
+            if shard in self._kept:
+                return self._kept[shard][start : start + length]
+            if shard in self._fds:
+                return os.pread(self._fds[shard], length, start)
+        return self.remote.read(self.names[shard], start, start + length)
 
 
-def remote_shard_splits(url: str, reads_in_flight: int, retries: int) -> Splits:
-    """The training and validation splits of a pack at `url` (its index read, its shards' sizes checked)."""
+def remote_shard_splits(url: str, reads_in_flight: int, retries: int, cache: ShardCache | None = None) -> Splits:
+    """The training and validation splits of a pack at `url` (its index read, its shards' sizes checked),
+    read through a local `cache` of whole shards where one is given."""
     remote = Remote(url, retries)
     what = f"data.root={remote.url}"
-    index, _ = read_remote_index(remote, what)
-    return packed_splits(index, lambda split: RemoteShardSamples(split, remote, reads_in_flight), what)
+    index, _, versions = read_remote_index(remote, what)
+
+    def samples(split: PackedSplit) -> RemoteShardSamples:
+        keys = [shard_key(str(url), size, versions.get(str(url), "")) for url, size in zip(split.shards,
+                split.shard_bytes, strict=True)]  # fmt: skip
+        return RemoteShardSamples(split, remote, reads_in_flight, cache, keys)
+
+    return packed_splits(index, samples, what)
 
 
-def read_remote_index(remote: Remote, what: str) -> tuple[Index, dict[str, Any]]:
+def read_remote_index(remote: Remote, what: str) -> tuple[Index, dict[str, Any], dict[str, str]]:
     """The index of the pack at the URL, checked (shard_format.parse_index), with both splits and every
-    shard there with the size it gives (one listing), and its JSON; else one line. `what`: how the URL
-    was given."""
-    sizes = {remote.join(name): size for name, size in remote.sizes().items()}  # no bucket or prefix: one line
+    shard there with the size it gives (one listing), its JSON, and each object's ETag by URL; else one
+    line. `what`: how the URL was given."""
+    objects = remote.objects()  # no bucket or prefix: one line
+    sizes = {remote.join(name): int(entry["size"]) for name, entry in objects.items()}
     if remote.join(INDEX) not in sizes:
         if any(SHARD_NAME.match(url.rsplit("/", 1)[-1]) for url in sizes):
             raise UserError(
@@ -112,7 +163,7 @@ def read_remote_index(remote: Remote, what: str) -> tuple[Index, dict[str, Any]]
     check_splits(index)
     for name in ("train", "val"):
         check_shards(index.splits[name], sizes.get)
-    return index, raw
+    return index, raw, {remote.join(name): etag(entry) for name, entry in objects.items()}
 
 
 # ---------------------------------------------------------------- writing: `multicard pack --out URL`
@@ -184,8 +235,8 @@ def _uploaded(listed: dict[str, Any] | None, local: Path, shard: dict[str, Any])
     """Whether the object listed is the shard: its size, and its MD5 where the ETag is one (a single-part upload)."""
     if listed is None or int(listed.get("size", -1)) != int(shard["bytes"]):
         return False
-    etag = str(listed.get("ETag") or listed.get("etag") or "").strip('"').lower()
-    return not MD5.match(etag) or etag == file_digest(local, "md5")
+    version = etag(listed)
+    return not MD5.match(version) or version == file_digest(local, "md5")
 
 
 def upload_object(remote: Remote, local: Path, name: str) -> None:
