@@ -7,8 +7,9 @@ hash of its URL, size and ETag: a pack replaced at the same URL is never served 
 file's time); a shard larger than the bound is not stored. Several processes use the folder at once: a
 shard is written under a temporary name and renamed (os.replace), so a reader sees it whole or not at
 all; one removed by another process is simply not found (the shard is read from the URL again), and one
-already open stays readable (POSIX). A cache that cannot be written (a full disk) stores nothing: the
-shard is read from the URL, as without a cache.
+already open stays readable (POSIX; its space is freed when the last process holding it closes it). A
+cache that cannot be written (a full disk) stores nothing: the shard is read from the URL, as without a
+cache.
 """
 
 from __future__ import annotations
