@@ -306,3 +306,21 @@ def s3_server():
     running.start()
     yield s3_environment(running.get_host_and_port()[1])
     running.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> dict[str, str]:
+    """This process's environment pointed at the server, for in-process runs and reads."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The backoff waits of storage's retries (multicard.base.storage), recorded instead of slept."""
+    from multicard.base import storage
+
+    recorded: list[float] = []
+    monkeypatch.setattr(storage, "sleep", recorded.append)
+    return recorded

@@ -63,20 +63,6 @@ def bucket(s3_server) -> str:
     return BUCKET
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch) -> dict[str, str]:
-    """This process's environment pointed at the server, for in-process runs and reads."""
-    for key, value in s3_server.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
-
-
-@pytest.fixture
-def waits(monkeypatch) -> list[float]:
-    """The backoff waits of storage's retries, recorded instead of slept."""
-    recorded: list[float] = []
-    monkeypatch.setattr(storage, "sleep", recorded.append)
-    return recorded
 
 
 def committed_steps(url: str) -> list[int]:
