@@ -1,4 +1,18 @@
-"""Command line: `multicard train`, `eval`, `export`, `report`, `bench`, `verify`: thin, over commands and launch.
+"""The `multicard` command: parses the command line, then runs a command in this process or starts
+its workers through torchrun's agent (runtime/launch.py). Both `multicard` and `python -m multicard`
+come here.
+
+Commands:
+    train        train an image classifier from a config (the recipe written on multicard.Run)
+    run          run your own training script that uses multicard.Run, in one process or as N workers
+    eval         evaluate a checkpoint exactly, at any world size
+    export       write a checkpoint's model as a plain state dict
+    plan         per-device memory and step time of each strategy on a named GPU, before renting it
+    bench        throughput of each strategy, world size and precision beside a plain loop
+    verify       prove on this machine that N processes train like one and resume exactly
+    pack         pack a dataset into shards for shared or object storage
+    input-split  where input time goes: storage reads, decoding, augmentation, copy to the device
+    report       pictures and a summary of runs, from their metrics
 
 Launch examples (all train the same job):
     multicard train --config configs/demo.yaml                       # one process
@@ -6,9 +20,11 @@ Launch examples (all train the same job):
     torchrun --standalone --nproc-per-node 2 -m multicard train --config configs/demo.yaml
     srun --ntasks-per-node 4 python -m multicard train --config configs/demo.yaml
     multicard train --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr HOST0 --master-port 29400 ...
-(several machines, Slurm scripts: docs/multinode.md, examples/slurm/train.sbatch)
+    multicard run --nproc-per-node 2 my_train.py                     # your own loop, 2 workers
+(several machines, Slurm scripts: docs/multinode.md, examples/slurm/train.sbatch; the reference of
+every command and option: docs/cli.md, generated from this parser)
 
-Exit codes: errors.ExitCode (README, Exit codes).
+Exit codes: errors.ExitCode (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -31,6 +47,13 @@ from multicard.runtime.stopping import BeforeTraining
 from multicard.strategy.topology import resolve
 from multicard.tools.plan.arguments import add_plan_parser, plan_options
 from multicard.tools.verify.checks import CHECKS, FAULTS
+
+DESCRIPTION = (
+    "Train PyTorch models on one device, DataParallel, DDP or FSDP, on one machine or many: image classifiers "
+    "from a config (train), or your own training loop with multicard.Run (run); then evaluate, export, plan, "
+    "measure and verify them."
+)
+EPILOG = "multicard COMMAND --help describes a command and its options."
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +93,8 @@ def _command(sub: argparse._SubParsersAction, name: str, summary: str, config: s
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = _command(
-        sub, "bench", "throughput of each runner, strategy, world size and precision side by side",
+        sub, "bench", "img/s, scaling, memory and step-time split of each strategy, world size and precision, "
+        "beside a plain loop (and Lightning, Accelerate)",
         "YAML config file (default workload: resnet18, 32×32 on the device, batch 64)", "precision=bf16",
     )  # fmt: skip
     b.add_argument("--runners", default="multicard,plain", help="multicard,plain,lightning,accelerate")
@@ -97,7 +121,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
     v = _command(
-        sub, "verify", "check on this machine that N-process DDP trains like one process and resumes exactly",
+        sub, "verify", "prove on this machine that N-process DDP trains like one process, evaluates and resumes "
+        "exactly",
         "YAML config file", "model.name=smallcnn",
     )  # fmt: skip
     v.add_argument(
@@ -111,15 +136,23 @@ def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> _Parser:
-    parser = _Parser(prog="multicard", description="Train image classifiers on one device, DP or DDP.")
-    parser.add_argument("--version", action="version", version=f"multicard {__version__}")
+    parser = _Parser(prog="multicard", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument(
+        "--version", action="version", version=f"multicard {__version__}", help="show multicard's version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     parser.commands = sub.choices
 
-    t = _command(sub, "train", "train a model", "YAML config file", "train.epochs=5")
+    t = _command(
+        sub, "train", "train an image classifier from a config, in one process or as DDP/FSDP workers",
+        "YAML config file (defaults: the embedded dataset, resnet18)", "train.epochs=5",
+    )  # fmt: skip
     _add_launch_flags(t)
 
-    e = _command(sub, "eval", "evaluate a checkpoint exactly", None, "data.val_size=1000")
+    e = _command(
+        sub, "eval", "evaluate a checkpoint exactly: top-1, top-5 and loss over every sample once, at any world size",
+        None, "data.val_size=1000",
+    )  # fmt: skip
     e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
     e.add_argument("--json", action="store_true", help="print the result as one JSON line")
     e.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA of the weights (ema.decay)")
@@ -138,7 +171,7 @@ def build_parser() -> _Parser:
     add_plan_parser(sub)
 
     k = _command(
-        sub, "pack", "pack a dataset into shards (tar in WebDataset's layout + an index) for shared storage",
+        sub, "pack", "pack a dataset into shards (tar in WebDataset's layout + an index) for shared or object storage",
         "YAML config file (its data section names the dataset)", "data.name=imagefolder data.root=DIR",
     )  # fmt: skip
     k.add_argument("--out", help="the folder to pack into (new or empty; an unfinished pack there is continued)")
@@ -160,7 +193,7 @@ def build_parser() -> _Parser:
 
 def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser(
-        "run", help="run your own training script (multicard.Run) in one process or as N workers",
+        "run", help="run your own training script (multicard.Run) in this process or as N DDP/FSDP workers",
         description="Run a training script that uses multicard.Run: in this process, or with --nproc-per-node "
         "as DDP workers through torchrun's agent (graceful stop, stall reports, the same exit codes).",
     )  # fmt: skip
