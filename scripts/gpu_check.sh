@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR
 #
-# Steps, most valuable first (scripts/gpu_check/; docs/benchmarks.md has the time plan per step):
+# Steps, most valuable first (scripts/gpu_check/; docs/gpu-check.md has the time plan per step):
 #   preflight   imports every module the steps use, prints the versions and the GPU (< 1 min)
 #   throughput  one compiled single-GPU run of resnet18_cifar: img/s, MFU, loader share
 #   proofs      fsdp×1 bf16 + sharded checkpoint resume + eval; SIGTERM-and-resume bitwise (fp32;

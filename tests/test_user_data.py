@@ -417,7 +417,8 @@ def test_hf_without_the_extra_names_it(tmp_path, monkeypatch):
 def test_readme_example_function_runs_as_printed(photos, tmp_path):
     """The 10-line function in docs/datasets.md's "Your own data" reads a CSV of paths and labels."""
     readme = (Path(__file__).resolve().parents[1] / "docs" / "datasets.md").read_text()
-    code = readme.split("<!-- your-own-data -->", 2)[1].split("```python", 1)[1].split("```", 1)[0]
+    block = readme.split("<!-- your-own-data -->", 2)[1].split("```python", 1)[1]
+    code = block.split("\n", 1)[1].split("```", 1)[0]  # after the fence's line (its title="mydata.py")
     (tmp_path / "readme_data.py").write_text(textwrap.dedent(code))
     sys.path.insert(0, str(tmp_path))
     try:

@@ -1,0 +1,220 @@
+"""The documentation site's own parts (mkdocs hooks, named in mkdocs.yml), and what the docs tests share.
+
+- The home page is README.md (the repository's front page), its links turned into the site's.
+- docs/cli.md's marker line becomes the reference of every command and option, made from the parser
+  `multicard` itself parses with (multicard.cli.main.build_parser): it cannot drift from the code.
+- Links from a page to repository files outside docs/ (examples, configs, benchmarks) become the
+  file's path in code, since the site holds only the docs.
+
+tests/test_docs.py imports `markdown_links`, `slug` and `headings` from here, so the link check and the
+site agree on what a link and an anchor are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import posixpath
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATED = {"index.md": "README.md", "changelog.md": "CHANGELOG.md"}  # site page: the repository file it shows
+CLI_MARKER = "<!-- the command-line reference: made from multicard's parser when the site is built -->"
+_FENCE = re.compile(r"^(```|~~~)")
+_LINK = re.compile(r"(?<!!)\[((?:[^\[\]]|\[[^\]]*\])+)\]\(([^()\s]+)\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+# ------------------------------------------------------------ Markdown: links, headings, anchors
+
+
+def segments(text: str) -> Iterator[tuple[int, bool, str]]:
+    """(first line number, fenced, text) of the runs of a Markdown text: prose, and fenced code blocks
+    (with their fences)."""
+    run: list[str] = []
+    start, fenced = 1, False
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        fence = _FENCE.match(line.lstrip()) is not None
+        if fence and not fenced:  # a block opens: the prose before it ends
+            if run:
+                yield start, False, "".join(run)
+            run, start = [], number
+        run.append(line)
+        if fence and fenced:  # a block closes with this line
+            yield start, True, "".join(run)
+            run, start = [], number + 1
+        fenced ^= fence
+    if run:
+        yield start, fenced, "".join(run)
+
+
+def prose(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, text) of each run of Markdown outside fenced code blocks."""
+    return ((start, chunk) for start, fenced, chunk in segments(text) if not fenced)
+
+
+def _blank_code_spans(text: str) -> str:
+    return re.sub(r"`[^`]*`", lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+
+
+def markdown_links(text: str) -> Iterator[tuple[int, str, str]]:
+    """(line number, text, target) of each inline link outside code (blocks and spans)."""
+    for start, block in prose(text):
+        for match in _LINK.finditer(_blank_code_spans(block)):
+            yield start + block.count("\n", 0, match.start()), match.group(1), match.group(2)
+
+
+def _plain(heading: str) -> str:
+    """A heading's text as the page shows it: code spans, links and emphasis reduced to their text."""
+    heading = _LINK.sub(lambda m: m.group(1), heading)
+    heading = re.sub(r"`([^`]*)`", r"\1", heading)
+    return re.sub(r"(\*\*|__|\*)(.+?)\1", r"\2", heading)
+
+
+def slug(heading: str) -> str:
+    """The anchor of a heading, as the site's table of contents (Python-Markdown's toc) makes it."""
+    from markdown.extensions.toc import slugify
+
+    return slugify(_plain(heading), "-")
+
+
+def headings(text: str) -> list[str]:
+    """The anchors of a page's headings, with toc's `_1`, `_2`... for repeated ones."""
+    seen: dict[str, int] = {}
+    anchors = []
+    lines = [line for _, block in prose(text) for line in block.splitlines()]
+    for line in lines:
+        match = _HEADING.match(line)
+        if not match:
+            continue
+        anchor = slug(match.group(2))
+        if anchor in seen:
+            seen[anchor] += 1
+            anchor = f"{anchor}_{seen[anchor]}"
+        else:
+            seen[anchor] = 0
+        anchors.append(anchor)
+    return anchors
+
+
+# ------------------------------------------------------------ links as the site needs them
+
+
+def site_target(target: str, page_dir: str) -> str | None:
+    """Where a link of a page in `page_dir` (relative to the repository) points on the site: a docs page
+    keeps its link, relative to docs/; a repository file outside docs/ has no page (None)."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+        return target
+    path, _, anchor = target.partition("#")
+    resolved = posixpath.normpath(posixpath.join(page_dir, path))
+    pages = {source: page for page, source in GENERATED.items()}
+    if resolved in pages:
+        resolved = f"docs/{pages[resolved]}"
+    if not resolved.startswith("docs/"):
+        return None
+    return posixpath.relpath(resolved, "docs") + (f"#{anchor}" if anchor else "")
+
+
+def for_the_site(text: str, page_dir: str) -> str:
+    """A page's Markdown with each link as the site needs it: a repository file outside docs/ is
+    shown as its path (in code), the link text kept when it says more."""
+
+    def rewrite(match: re.Match) -> str:
+        label, target = match.group(1), match.group(2)
+        where = site_target(target, page_dir)
+        if where is not None:
+            return f"[{label}]({where})"
+        path = posixpath.normpath(posixpath.join(page_dir, target))
+        return f"`{path}`" if label.strip("`") in (path, target) else f"{label} (`{path}`)"
+
+    pieces = []
+    for _, fenced, chunk in segments(text):
+        if not fenced:  # links are looked for between code spans only
+            chunk = "".join(c if c.startswith("`") else _LINK.sub(rewrite, c) for c in re.split(r"(`[^`]*`)", chunk))
+        pieces.append(chunk)
+    return "".join(pieces)
+
+
+# ------------------------------------------------------------ the command-line reference
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _value(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.choices is not None:
+        return "{" + ",".join(str(c) for c in action.choices) + "}"
+    name = action.metavar or (action.dest if not action.option_strings else action.dest.upper())
+    return name if isinstance(name, str) else " ".join(name)
+
+
+def _default(action: argparse.Action) -> str:
+    if action.default in (None, argparse.SUPPRESS, False, [], ()) or not action.option_strings:
+        return ""
+    return f"`{action.default}`"
+
+
+def _help(action: argparse.Action, prog: str) -> str:
+    text = action.help or ""
+    return text % {**vars(action), "prog": prog} if "%" in text else text
+
+
+def options_table(parser: argparse.ArgumentParser) -> list[str]:
+    """A table per group of the parser's arguments: each flag (or positional), its value, default and help.
+
+    argparse keeps its arguments in `_action_groups` (it has no public listing of them)."""
+    lines: list[str] = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
+        if not actions:
+            continue
+        lines += [f"**{group.title}**", "", "| argument | value | default | meaning |", "|---|---|---|---|"]
+        for action in actions:
+            flags = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{_value(action)}`"
+            value = f"`{_value(action)}`" if action.option_strings and _value(action) else ""
+            lines.append(
+                f"| {flags} | {_cell(value)} | {_cell(_default(action))} | {_cell(_help(action, parser.prog))} |"
+            )
+        lines.append("")
+    return lines
+
+
+def cli_reference(parser: argparse.ArgumentParser) -> str:
+    """The reference of `multicard` and each of its commands, from its parser."""
+    commands: dict[str, argparse.ArgumentParser] = parser.commands  # type: ignore[attr-defined]
+    summaries = {a.dest: a.help for a in parser._subparsers._group_actions[0]._choices_actions}  # type: ignore[union-attr]
+    lines = [parser.description or "", "", "```", parser.format_usage().strip(), "```", ""]
+    lines += ["| command | what it does |", "|---|---|"]
+    lines += [f"| [`multicard {name}`](#multicard-{name}) | {_cell(summaries.get(name, ''))} |" for name in commands]
+    lines += ["", "`multicard --version` prints the version; `multicard COMMAND --help` prints what is below.", ""]
+    for name, sub in commands.items():
+        lines += [f"## multicard {name}", "", sub.description or "", "", "```", sub.format_usage().strip(), "```", ""]
+        lines += options_table(sub)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ mkdocs hooks
+
+
+def on_files(files, config):  # noqa: ANN001, ANN201 - mkdocs' hook signature
+    """The home page (README.md) and the changelog (CHANGELOG.md), their links made the site's."""
+    from mkdocs.structure.files import File
+
+    for page, source in GENERATED.items():
+        text = (ROOT / source).read_text()
+        files.append(File.generated(config, page, content=for_the_site(text, ".")))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - mkdocs' hook signature
+    if page.file.src_uri in GENERATED:
+        return markdown  # already the site's (on_files)
+    if CLI_MARKER in markdown:
+        from multicard.cli.main import build_parser
+
+        markdown = markdown.replace(CLI_MARKER, cli_reference(build_parser()))
+    return for_the_site(markdown, posixpath.dirname(f"docs/{page.file.src_uri}"))
