@@ -143,16 +143,12 @@ def build_parser() -> _Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     parser.commands = sub.choices
 
-    t = _command(
-        sub, "train", "train an image classifier from a config, in one process or as DDP/FSDP workers",
-        "YAML config file (defaults: the embedded dataset, resnet18)", "train.epochs=5",
-    )  # fmt: skip
+    t = _command(sub, "train", "train an image classifier from a config, in one process or as DDP/FSDP workers",
+                 "YAML config file (defaults: the embedded dataset, resnet18)", "train.epochs=5")  # fmt: skip
     _add_launch_flags(t)
 
-    e = _command(
-        sub, "eval", "evaluate a checkpoint exactly: top-1, top-5 and loss over every sample once, at any world size",
-        None, "data.val_size=1000",
-    )  # fmt: skip
+    e = _command(sub, "eval", "evaluate a checkpoint exactly: top-1, top-5 and loss over every sample once, at any "
+                 "world size", None, "data.val_size=1000")  # fmt: skip
     e.add_argument("--checkpoint", required=True, help="checkpoint file (e.g. out_dir/checkpoints/best.pt)")
     e.add_argument("--json", action="store_true", help="print the result as one JSON line")
     e.add_argument("--ema", action="store_true", help="evaluate the checkpoint's EMA of the weights (ema.decay)")
