@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test test-fast lint install clean
+.PHONY: demo test test-fast lint docs install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[dev,hf,jpeg,mlflow,mlflow-server,tensorboard,timm,wandb]'
+	$(PIP) -e '.[dev,docs,hf,jpeg,mlflow,mlflow-server,tensorboard,timm,wandb]'
 	@touch $@
 
 install: $(VENV)/.installed
@@ -29,18 +29,25 @@ demo: $(VENV)/.installed
 # a core idle; a file's tests stay in one process so its module fixtures are built once.
 # compileall first: the suite starts ~500 Python processes, and where PYTHONDONTWRITEBYTECODE is set
 # (as on our CI machines) each would otherwise compile multicard's modules afresh (~0.1 s apiece).
+# The sdist and the wheel are built first (into dist/, the wheel from the sdist): tests/test_packaging.py
+# installs that wheel into a fresh environment; tests/test_docs.py builds the site with --strict.
 test: $(VENV)/.installed-dev
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts/docs_hooks.py
 	$(PY) -m compileall -q src tests
-	$(PY) -m pytest -n 2 --dist loadfile
+	rm -rf dist && $(PY) -m build --no-isolation --quiet --outdir dist .
+	MULTICARD_WHEEL=$$(ls dist/multicard-*.whl) $(PY) -m pytest -n 2 --dist loadfile
 
 # The unit tests alone (no multi-process or end-to-end runs): under a minute, for work in progress.
 test-fast: $(VENV)/.installed-dev
 	$(PY) -m compileall -q src tests
 	$(PY) -m pytest -m "not distributed and not slow" -n 2 --dist loadfile
 
+# The documentation site, from docs/ (mkdocs.yml): site/index.html. Any warning fails the build.
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 lint: $(VENV)/.installed-dev
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts/docs_hooks.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site dist build

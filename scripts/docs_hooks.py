@@ -54,15 +54,20 @@ def prose(text: str) -> Iterator[tuple[int, str]]:
     return ((start, chunk) for start, fenced, chunk in segments(text) if not fenced)
 
 
-def _blank_code_spans(text: str) -> str:
-    return re.sub(r"`[^`]*`", lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+def _links(text: str) -> Iterator[tuple[re.Match, str]]:
+    """Each inline link of a run of prose outside code spans, with its text as written (code spans in a
+    link's text included): the match is made on the text with its code spans blanked."""
+    blanked = re.sub(r"`[^`]*`", lambda m: "`" + re.sub(r"[^\n]", "x", m.group()[1:-1]) + "`", text)
+    for match in _LINK.finditer(blanked):
+        if "`" not in text[match.start(2) : match.end(2)]:  # a target inside a code span is no link
+            yield match, text[match.start(1) : match.end(1)]
 
 
 def markdown_links(text: str) -> Iterator[tuple[int, str, str]]:
     """(line number, text, target) of each inline link outside code (blocks and spans)."""
     for start, block in prose(text):
-        for match in _LINK.finditer(_blank_code_spans(block)):
-            yield start + block.count("\n", 0, match.start()), match.group(1), match.group(2)
+        for match, label in _links(block):
+            yield start + block.count("\n", 0, match.start()), label, match.group(2)
 
 
 def _plain(heading: str) -> str:
@@ -98,6 +103,45 @@ def headings(text: str) -> list[str]:
     return anchors
 
 
+# ------------------------------------------------------------ the link check
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """The Markdown a reader follows links in: README.md, CHANGELOG.md and docs/."""
+    return [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def anchors_of(path: Path) -> list[str]:
+    """The anchors a page offers: its headings', and for the command-line reference the commands' too."""
+    text = path.read_text()
+    if CLI_MARKER in text:
+        from multicard.cli.main import build_parser
+
+        text = text.replace(CLI_MARKER, cli_reference(build_parser()))
+    return headings(text)
+
+
+def check_links(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(what is wrong, the external links) of the links in `pages`: each internal link must name a file or
+    folder of the repository and each anchor a heading of the page it names; external links are listed,
+    not fetched."""
+    problems: list[str] = []
+    external: set[str] = set()
+    for page in pages(root):
+        for line, _, target in markdown_links(page.read_text()):
+            where = f"{page.relative_to(root)}:{line}: {target}"
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                external.add(target)
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or root not in (linked, *linked.parents):
+                problems.append(f"{where}: no such file in the repository")
+            elif anchor and (linked.suffix != ".md" or anchor not in anchors_of(linked)):
+                problems.append(f"{where}: no heading with the anchor #{anchor}")
+    return problems, sorted(external)
+
+
 # ------------------------------------------------------------ links as the site needs them
 
 
@@ -120,8 +164,7 @@ def for_the_site(text: str, page_dir: str) -> str:
     """A page's Markdown with each link as the site needs it: a repository file outside docs/ is
     shown as its path (in code), the link text kept when it says more."""
 
-    def rewrite(match: re.Match) -> str:
-        label, target = match.group(1), match.group(2)
+    def rewrite(label: str, target: str) -> str:
         where = site_target(target, page_dir)
         if where is not None:
             return f"[{label}]({where})"
@@ -130,8 +173,9 @@ def for_the_site(text: str, page_dir: str) -> str:
 
     pieces = []
     for _, fenced, chunk in segments(text):
-        if not fenced:  # links are looked for between code spans only
-            chunk = "".join(c if c.startswith("`") else _LINK.sub(rewrite, c) for c in re.split(r"(`[^`]*`)", chunk))
+        if not fenced:
+            for match, label in reversed(list(_links(chunk))):
+                chunk = chunk[: match.start()] + rewrite(label, match.group(2)) + chunk[match.end() :]
         pieces.append(chunk)
     return "".join(pieces)
 
@@ -218,3 +262,12 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - m
 
         markdown = markdown.replace(CLI_MARKER, cli_reference(build_parser()))
     return for_the_site(markdown, posixpath.dirname(f"docs/{page.file.src_uri}"))
+
+
+if __name__ == "__main__":  # python scripts/docs_hooks.py: the link check, and the external links to check by hand
+    import sys
+
+    sys.path.insert(0, str(ROOT / "src"))
+    wrong, outside = check_links()
+    print("\n".join(["external links (not fetched):", *outside, *(["", "wrong links:", *wrong] if wrong else [])]))
+    raise SystemExit(1 if wrong else 0)
