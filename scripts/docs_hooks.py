@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = {"index.md": "README.md", "changelog.md": "CHANGELOG.md"}  # site page: the repository file it shows
 CLI_MARKER = "<!-- the command-line reference: made from multicard's parser when the site is built -->"
+CONFIG_MARKER = "<!-- every config key: made from multicard's config classes when the site is built -->"
 _FENCE = re.compile(r"^(```|~~~)")
 _LINK = re.compile(r"(?<!!)\[((?:[^\[\]]|\[[^\]]*\])+)\]\(([^()\s]+)\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -111,14 +112,20 @@ def pages(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").glob("*.md"))]
 
 
-def anchors_of(path: Path) -> list[str]:
-    """The anchors a page offers: its headings', and for the command-line reference the commands' too."""
-    text = path.read_text()
-    if CLI_MARKER in text:
+def generated(markdown: str) -> str:
+    """A page with its marker lines replaced by the references made from the code."""
+    if CLI_MARKER in markdown:
         from multicard.cli.main import build_parser
 
-        text = text.replace(CLI_MARKER, cli_reference(build_parser()))
-    return headings(text)
+        markdown = markdown.replace(CLI_MARKER, cli_reference(build_parser()))
+    if CONFIG_MARKER in markdown:
+        markdown = markdown.replace(CONFIG_MARKER, config_reference())
+    return markdown
+
+
+def anchors_of(path: Path) -> list[str]:
+    """The anchors a page offers: its headings', the generated references' included."""
+    return headings(generated(path.read_text()))
 
 
 def check_links(root: Path = ROOT) -> tuple[list[str], list[str]]:
@@ -241,6 +248,79 @@ def cli_reference(parser: argparse.ArgumentParser) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------ the config reference
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comment of each field of a dataclass in its source: the one after it on its line, else the
+    comment lines right above it."""
+    import inspect
+    import io
+    import tokenize
+
+    lines, _ = inspect.getsourcelines(cls)
+    comments: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+    found: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        match = re.match(r"\s+(\w+): ", line)
+        if not match or line.lstrip().startswith("#"):
+            continue
+        above, up = [], number - 1
+        while up in comments and lines[up - 1].lstrip().startswith("#"):
+            above.insert(0, comments[up])
+            up -= 1
+        found[match.group(1)] = comments.get(number) or " ".join(above)
+    return found
+
+
+def _shown(value: object) -> str:
+    import json
+
+    return f"`{value}`" if isinstance(value, str) else f"`{json.dumps(value)}`"
+
+
+def config_keys() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) of every config key, in the order the config classes declare them."""
+    import dataclasses
+    import typing
+
+    from multicard.base.config import Config
+
+    rows = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                walk(kind, f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            name = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+            rows.append((prefix + f.name, name, _shown(default), comments.get(f.name, "")))
+
+    walk(Config, "")
+    return rows
+
+
+def config_reference() -> str:
+    """A table of every config key per section, with its type, default and the comment beside its declaration."""
+    sections: dict[str, list[tuple[str, str, str, str]]] = {}
+    for row in config_keys():
+        sections.setdefault(row[0].split(".")[0] if "." in row[0] else "", []).append(row)
+    lines = []
+    for section, rows in sections.items():
+        lines += [f"### {section or 'top level'}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [
+            f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(meaning)} |" for key, kind, default, meaning in rows
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------ mkdocs hooks
 
 
@@ -257,10 +337,7 @@ def on_files(files, config):  # noqa: ANN001, ANN201 - mkdocs' hook signature
 def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - mkdocs' hook signature
     if page.file.src_uri in GENERATED:
         return markdown  # already the site's (on_files)
-    if CLI_MARKER in markdown:
-        from multicard.cli.main import build_parser
-
-        markdown = markdown.replace(CLI_MARKER, cli_reference(build_parser()))
+    markdown = generated(markdown)
     return for_the_site(markdown, posixpath.dirname(f"docs/{page.file.src_uri}"))
 
 

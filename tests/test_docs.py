@@ -8,6 +8,7 @@ import ast
 import html
 import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -163,3 +164,22 @@ def test_home_page_is_the_readme(site):
     home = text_of((site / "index.html").read_text())
     first = (ROOT / "README.md").read_text().split("\n\n")[1].split()[:8]
     assert " ".join(first) in " ".join(home.split())
+
+
+@pytest.mark.slow
+def test_configuration_reference_lists_every_key_with_its_default(site):
+    from multicard.base.config import Config, to_dict
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            is_section = isinstance(value, dict) and key not in ("kwargs",)
+            out.update(flat(value, f"{prefix}{key}.") if is_section else {prefix + key: value})
+        return out
+
+    page = text_of((site / "configuration.html").read_text())
+    keys = flat(to_dict(Config()))
+    assert len(keys) > 100
+    for key, default in keys.items():
+        shown = default if isinstance(default, str) else json.dumps(default)
+        assert re.search(rf"^{re.escape(key)}\n.*\n{re.escape(shown)}\n", page, re.M), f"{key} = {shown}"
