@@ -1,13 +1,14 @@
-"""The documentation site's own parts (mkdocs hooks, named in mkdocs.yml), and what the docs tests share.
+"""The documentation site's own parts (mkdocs hooks, named in mkdocs.yml), and the link check.
 
-- The home page is README.md (the repository's front page), its links turned into the site's.
-- docs/cli.md's marker line becomes the reference of every command and option, made from the parser
-  `multicard` itself parses with (multicard.cli.main.build_parser): it cannot drift from the code.
-- Links from a page to repository files outside docs/ (examples, configs, benchmarks) become the
-  file's path in code, since the site holds only the docs.
-
-tests/test_docs.py imports `markdown_links`, `slug` and `headings` from here, so the link check and the
-site agree on what a link and an anchor are.
+- The home page is README.md (the repository's front page) and the changelog CHANGELOG.md, their links
+  turned into the site's.
+- Marker lines become references made from the code, so they cannot drift from it: docs/cli.md's, every
+  command and option of the parser `multicard` itself parses with (multicard.cli.main.build_parser);
+  docs/configuration.md's, every config key with its type, default and comment (base/config/).
+- Links from a page to repository files outside docs/ (examples, configs, benchmarks) become the file's
+  path in code, since the site holds only the docs.
+- `check_links`: every internal link and anchor of README.md, CHANGELOG.md and docs/ resolves; external
+  links are listed, not fetched (`python scripts/docs_hooks.py` prints them). tests/test_docs.py runs it.
 """
 
 from __future__ import annotations
@@ -159,9 +160,9 @@ def site_target(target: str, page_dir: str) -> str | None:
         return target
     path, _, anchor = target.partition("#")
     resolved = posixpath.normpath(posixpath.join(page_dir, path))
-    pages = {source: page for page, source in GENERATED.items()}
-    if resolved in pages:
-        resolved = f"docs/{pages[resolved]}"
+    by_source = {source: page for page, source in GENERATED.items()}
+    if resolved in by_source:
+        resolved = f"docs/{by_source[resolved]}"
     if not resolved.startswith("docs/"):
         return None
     return posixpath.relpath(resolved, "docs") + (f"#{anchor}" if anchor else "")
@@ -204,7 +205,8 @@ def _value(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.default in (None, argparse.SUPPRESS, False, [], ()) or not action.option_strings:
+    nothing = action.default is None or action.default is False or action.default in (argparse.SUPPRESS, [], ())
+    if nothing or not action.option_strings:
         return ""
     return f"`{action.default}`"
 
@@ -324,7 +326,7 @@ def config_reference() -> str:
 # ------------------------------------------------------------ mkdocs hooks
 
 
-def on_files(files, config):  # noqa: ANN001, ANN201 - mkdocs' hook signature
+def on_files(files, config):  # mkdocs' hook
     """The home page (README.md) and the changelog (CHANGELOG.md), their links made the site's."""
     from mkdocs.structure.files import File
 
@@ -334,7 +336,7 @@ def on_files(files, config):  # noqa: ANN001, ANN201 - mkdocs' hook signature
     return files
 
 
-def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201 - mkdocs' hook signature
+def on_page_markdown(markdown, page, config, files):  # mkdocs' hook
     if page.file.src_uri in GENERATED:
         return markdown  # already the site's (on_files)
     markdown = generated(markdown)
