@@ -27,13 +27,13 @@ from conftest import (
     start,
     wait_for,
 )
-from multicard.base import storage
+from multicard.base import store
 from multicard.base.config import Config, load_config, to_dict
 from multicard.base.errors import UserError
-from multicard.checkpoint import Checkpointer, RunFacts, read_checkpoint, remote
-from multicard.checkpoint.checkpointer import newest_readable
-from multicard.checkpoint.remote import RemoteFolder
-from multicard.checkpoint.remote_writer import Upload
+from multicard.base.store import ObjectStore, open_store
+from multicard.checkpoint import Checkpointer, RunFacts, read_checkpoint
+from multicard.checkpoint.folder import CheckpointFolder
+from multicard.checkpoint.single_file import Upload
 from multicard.cli.main import main
 
 BUCKET = "checkpoints"
@@ -66,7 +66,11 @@ def bucket(s3_server) -> str:
 
 
 def committed_steps(url: str) -> list[int]:
-    return [step for step, _ in RemoteFolder(url).committed()]
+    return [step for step, _ in CheckpointFolder(open_store(url)).steps()]
+
+
+def newest_readable(url: str):
+    return CheckpointFolder(open_store(url)).newest_readable()
 
 
 def committed_on_the_server(prefix: str) -> bool:
@@ -136,7 +140,7 @@ def _writer_process(url: str, kill_at: int | None, count: Path) -> None:
     """In a forked child: a Checkpointer on a tiny state saves steps 1..4 to `url` (keep_last 2, best at
     step 2), each upload in the background; with `kill_at`, SIGKILL at that request to the storage."""
     requests = [0]
-    attempt = storage.Remote.attempt
+    attempt = store.Store.attempt
 
     def counted(self, *args, **kwargs):
         requests[0] += 1
@@ -144,7 +148,7 @@ def _writer_process(url: str, kill_at: int | None, count: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return attempt(self, *args, **kwargs)
 
-    storage.Remote.attempt = counted
+    store.Store.attempt = counted
     checkpointer = _checkpointer(url)
     for step in range(1, 5):
         position = SimpleNamespace(global_step=step, epoch=0, step_in_epoch=step)
@@ -193,7 +197,8 @@ def test_35_10_killing_the_uploader_at_random_requests_leaves_the_newest_committ
         assert all(f"step-{step:09d}" not in line for line in skipped)
         said: list[str] = []
         assert _checkpointer(url, said).choose("auto") == newest  # a resumed run: leftovers removed, and said
-        assert not RemoteFolder(url).uncommitted() and all(" has no commit object" in line for line in said)
+        folder = CheckpointFolder(open_store(url))
+        assert not folder.leftovers(folder.store.listing()) and all(" has no commit object" in line for line in said)
 
 
 # ------------------------------------------------------------------ one-line errors
@@ -224,24 +229,24 @@ def test_35_12_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and
     from test_object_storage import Server
 
     server = Server()
-    monkeypatch.setattr(remote, "_REMOTES", {})  # sessions to the session's server
+    monkeypatch.setattr(store, "SESSIONS", {})  # sessions to the session's server
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_environment(server.port)["AWS_ENDPOINT_URL"])
     url = f"s3://{bucket}/stopping/checkpoints"
-    upload = RemoteFolder.upload
+    upload = ObjectStore.write
 
     def stop_at_the_second_checkpoint(self, name, data):
         if name == "step-000000006.pt":
             server.stop()
         return upload(self, name, data)
 
-    monkeypatch.setattr(RemoteFolder, "upload", stop_at_the_second_checkpoint)
+    monkeypatch.setattr(ObjectStore, "write", stop_at_the_second_checkpoint)
     code = main(["train", *TINY, "data.train_size=256", "checkpoint.every_steps=3", f"checkpoint.dir={url}",
                  f"out_dir={tmp_path}"])  # fmt: skip
     assert code == 2
     line = one_line(capsys.readouterr().err)
     assert f"cannot write {url}/step-000000006.pt (" in line and "after 4 attempt(s) over 3.5 s" in line, line
     assert waits == [0.5, 1.0, 2.0]
-    monkeypatch.setattr(remote, "_REMOTES", {})  # sessions to the stopped server
+    monkeypatch.setattr(store, "SESSIONS", {})  # sessions to the stopped server
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["AWS_ENDPOINT_URL"])  # the session's server: the same buckets
     assert committed_steps(url) == [3] and read_checkpoint(f"{url}/last")["step"] == 3  # intact
 
@@ -254,8 +259,8 @@ def test_35_13_eval_export_and_weights_read_committed_checkpoints_by_url(bucket,
     assert main(["export", "--checkpoint", f"{url}/best.pt", "--out", str(tmp_path / "model.pt")]) == 0
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(exported[k], v) for k, v in read_checkpoint(f"{url}/step-000000004.pt")["model"].items())
-    RemoteFolder(url).upload("model.pt", (tmp_path / "model.pt").read_bytes())
-    RemoteFolder(url).upload("step-000000009.pt", (tmp_path / "model.pt").read_bytes())  # never committed
+    open_store(url).write("model.pt", (tmp_path / "model.pt").read_bytes())
+    open_store(url).write("step-000000009.pt", (tmp_path / "model.pt").read_bytes())  # never committed
     capsys.readouterr()
     for reader in (["eval", "--checkpoint", f"{url}/step-000000009.pt"],
                    ["train", *TINY, f"train.resume={url}/step-000000009.pt", f"out_dir={tmp_path / 'x'}"]):  # fmt: skip
@@ -294,6 +299,79 @@ def test_35_15_sharded_checkpoints_go_through_dcps_fsspec_storage_and_commit_las
     resumed = run_here("train", *args)
     assert f"resumed from {url}/step-000000001: epoch 0, step 1 of 2" in resumed
     assert committed_steps(url) == [2]  # keep_last 1: step 1 pruned, its commit object first
-    names = sorted(RemoteFolder(f"{url}/step-000000002").names())
+    names = sorted(open_store(f"{url}/step-000000002").listing())
     assert names == [".metadata", "COMPLETE", "__0_0.distcp", "train_state.pt"], names
     assert read_checkpoint(f"{url}/last")["step"] == 2
+
+
+# ------------------------------------------------------------------ one run per checkpoint folder
+
+
+def _lock_object(url: str, holder: dict) -> str:
+    """A lock object of another run in the folder at `url`, as its holder wrote it."""
+    import json
+
+    from multicard.base.store_lock import PREFIX
+
+    name = f"{PREFIX}00000000000000000001-0ther000"
+    open_store(url).write(name, json.dumps(holder).encode())
+    return name
+
+
+@pytest.mark.slow
+def test_two_runs_writing_the_same_checkpoint_dir_url_are_refused_until_its_lock_is_released_or_stale(
+        bucket, s3_env, tmp_path, capsys):  # fmt: skip
+    import socket
+    import time
+
+    from multicard.base.store_lock import STALE_S, StoreLock
+
+    url = f"s3://{bucket}/locked/checkpoints"
+    first = StoreLock(open_store(url), "checkpoint.dir")
+    first.acquire(print)
+    args = [*TINY, "data.train_size=64", "data.val_size=32", f"checkpoint.dir={url}"]
+    try:
+        assert main(["train", *args, f"out_dir={tmp_path / 'second'}"]) == 2  # another out_dir: its own lock is free
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith(f"multicard: error: checkpoint.dir={url} is in use by another run (host "), line
+        assert f"pid {os.getpid()}, since " in line and "wait for it to end, stop it, or choose another" in line
+        assert committed_steps(url) == [] and not (tmp_path / "second").exists()  # a refused run leaves nothing
+    finally:
+        first.release()
+    assert main(["train", *args, f"out_dir={tmp_path / 'second'}"]) == 0
+    assert committed_steps(url) == [2]
+    assert not [name for name in open_store(url).listing() if "lock" in name]  # released at the run's end
+    now, host = time.time(), socket.gethostname()
+    for holder in ({"host": "elsewhere", "pid": 1, "since": now - 999, "renewed": now - STALE_S - 1},  # not renewed
+                   {"host": host, "pid": 2**22 + 1, "since": now, "renewed": now}):  # this host's, its process gone
+        name = _lock_object(url, holder)
+        said: list[str] = []
+        taker = StoreLock(open_store(url), "checkpoint.dir")
+        taker.acquire(said.append)
+        taker.release()
+        assert said == [f"checkpoint.dir={url}: taking over from a run that ended without releasing it (host "
+                        f"{holder['host']}, pid {holder['pid']}, since " + said[0].split(", since ")[1]], said
+        assert name not in open_store(url).listing()
+
+
+def test_a_local_checkpoint_dir_shared_by_two_out_dirs_is_refused_too(tmp_path, capsys):
+    from multicard.base.store_lock import StoreLock
+
+    shared = tmp_path / "shared"
+    holder = StoreLock(open_store(str(shared)), "checkpoint.dir")
+    holder.acquire(print)
+    try:
+        assert main(["train", *TINY, f"checkpoint.dir={shared}", f"out_dir={tmp_path / 'other'}"]) == 2
+        assert f"checkpoint.dir={shared} is in use by another run" in one_line(capsys.readouterr().err)
+    finally:
+        holder.release()
+    assert [p.name for p in shared.iterdir()] == []
+
+
+def test_checkpoint_dir_given_as_a_file_url_is_that_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_here("train", *TINY, "data.train_size=64", "data.val_size=32", f"checkpoint.dir=file://{tmp_path}/ck",
+             "out_dir=run")  # fmt: skip
+    assert read_checkpoint(tmp_path / "ck" / "last.pt")["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "run"]  # nothing joined onto the working directory
+    assert read_checkpoint(f"FILE://{tmp_path}/ck/last")["step"] == 2  # `last` of a folder of files: the newest

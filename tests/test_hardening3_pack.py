@@ -335,7 +335,7 @@ def test_37_22_a_shard_cut_or_removed_while_in_use_is_said_so(copy):
     samples = splits_of("data.name=shards", f"data.root={copy}").train.dataset
     assert isinstance(samples, ShardSamples) and len(samples.split.shards) > 2
     first = [int(np.flatnonzero(samples.shard_of == shard)[0]) for shard in range(2)]  # a sample of each of 2 shards
-    removed, cut = (samples.split.shards[shard] for shard in range(2))
+    removed, cut = (Path(samples.split.shards[shard]) for shard in range(2))
     removed.unlink()
     with pytest.raises(UserError, match=f"cannot read shard {removed} \\(No such file or directory\\); restore it"):
         samples[first[0]]

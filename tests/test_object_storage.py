@@ -29,9 +29,10 @@ from conftest import (
     start,
     wait_for,
 )
-from multicard.base import storage
+from multicard.base import storage, store
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
+from multicard.base.store import open_store
 from multicard.checkpoint import checkpoints_in
 from multicard.cli.main import main
 from multicard.data import read_splits
@@ -118,11 +119,12 @@ def test_35_2_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_
     assert said in one_line(capsys.readouterr().err)
     assert not checkpoints_in(tmp_path / "checkpoints")
     bucket.pipe(f"{BUCKET}/broken/{INDEX}", b"{not json")
-    for root, said in ((f"s3://{BUCKET}/elsewhere", f"s3://{BUCKET}/elsewhere does not exist"),
-                       (f"s3://{BUCKET}", f"data.root=s3://{BUCKET} has no index.json: upload a folder multicard pack "
-                        "wrote"),
+    for root, said in ((f"s3://{BUCKET}/elsewhere", f"data.root=s3://{BUCKET}/elsewhere has no index.json; make it "
+                        f"with multicard pack --out s3://{BUCKET}/elsewhere"),
+                       (f"s3://{BUCKET}", f"data.root=s3://{BUCKET} has no index.json: it is not a folder multicard "
+                        "pack wrote"),
                        (f"s3://{BUCKET}/broken", f"index s3://{BUCKET}/broken/index.json cannot be read "
-                        "(JSONDecodeError); upload the folder multicard pack wrote again"),
+                        "(JSONDecodeError); pack the data again"),
                        ("s3://Bad_Bucket!/pack", "cannot read s3://Bad_Bucket!/pack (ParamValidationError: Parameter "
                         "validation failed: Invalid bucket name")):  # fmt: skip
         with pytest.raises(UserError) as refused:
@@ -158,8 +160,9 @@ def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_e
     Down for good: one line after the bounded retries, 0.5 s, 1 s, 2 s apart."""
     server = Server()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_environment(server.port)["AWS_ENDPOINT_URL"])
+    monkeypatch.setattr(store, "SESSIONS", {})  # sessions to this server
     server.stop()
-    remote = storage.Remote(uploaded, retries=3)
+    remote = open_store(uploaded, retries=3)
     restarted: list[Server] = []
 
     def wait_and_restart(seconds: float) -> None:
@@ -246,11 +249,11 @@ def test_35_7_credentials_in_a_url_are_refused_without_being_repeated():
 def test_35_8_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
     samples = read_splits(load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data, 0).train.dataset
     first = samples[0][0].data
-    parent = samples.remote.fs()[0]
+    parent = samples.store.fs()[0]
     pid = os.fork()
     if pid == 0:
         same = samples[0][0].data == first
-        os._exit(0 if same and samples.remote.fs()[0] is not parent and samples.remote._pid == os.getpid() else 1)
+        os._exit(0 if same and samples.store.fs()[0] is not parent and samples.store._pid == os.getpid() else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -262,16 +265,16 @@ def test_35_20_a_split_that_fits_is_read_in_whole_shards_once_per_process(packed
     """A request costs the loader ~4 ms of CPU, and a shuffled batch holds no neighbours: a split of at most
     WHOLE_SPLIT_BYTES is read in whole shards (pieces of PIECE_BYTES), once per process; a larger one by
     ranged reads, one per run of neighbours. The same bytes as from local disk either way."""
-    from multicard.data.sources import remote_shards
+    from multicard.data.sources import shards
 
-    monkeypatch.setattr(remote_shards, "WHOLE_SPLIT_BYTES", remote_shards.WHOLE_SPLIT_BYTES if whole else 0)
-    monkeypatch.setattr(remote_shards, "PIECE_BYTES", 4096)  # several pieces per shard
+    monkeypatch.setattr(shards, "WHOLE_SPLIT_BYTES", shards.WHOLE_SPLIT_BYTES if whole else 0)
+    monkeypatch.setattr(shards, "PIECE_BYTES", 4096)  # several pieces per shard
     shards = load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data
     remote = read_splits(shards, 0).train.dataset
     local = read_splits(load_config(None, ["data.name=shards", f"data.root={packed}"]).data, 0).train.dataset
     requests: list[tuple] = []
-    read = remote.remote.read
-    monkeypatch.setattr(remote.remote, "read", lambda *args: requests.append(args) or read(*args))
+    read = remote.store.read
+    monkeypatch.setattr(remote.store, "read", lambda *args: requests.append(args) or read(*args))
     batch = [int(i) for i in np.random.default_rng(0).permutation(len(local))[:64]]
     for _ in range(2):  # a second batch of the same samples: whole shards are not read again
         remote.prefetch(batch)
@@ -288,8 +291,8 @@ def _reader(root: str, *options: str):
     """A new reader of the training split (another loader process, or a later run), its shard requests counted."""
     source = read_splits(load_config(None, ["data.name=shards", f"data.root={root}", *options]).data, 0).train.dataset
     source.requests = []
-    read = source.remote.read
-    source.remote.read = lambda *args: source.requests.append(args[0]) or read(*args)
+    read = source.store.read
+    source.store.read = lambda *args: source.requests.append(args[0]) or read(*args)
     return source
 
 
@@ -306,9 +309,9 @@ def test_35_30_a_local_cache_serves_later_readers_without_a_request(packed, uplo
     """data.remote_cache_gb: shards downloaded whole once on the node; a later reader (another loader process,
     a later run) reads them from local disk, with the same bytes; a split larger than WHOLE_SPLIT_BYTES is
     then read from the cached files rather than by ranged requests."""
-    from multicard.data.sources import remote_shards
+    from multicard.data.sources import shards
 
-    monkeypatch.setattr(remote_shards, "WHOLE_SPLIT_BYTES", remote_shards.WHOLE_SPLIT_BYTES if whole else 0)
+    monkeypatch.setattr(shards, "WHOLE_SPLIT_BYTES", shards.WHOLE_SPLIT_BYTES if whole else 0)
     local = read_splits(load_config(None, ["data.name=shards", f"data.root={packed}"]).data, 0).train.dataset
     options = ("data.remote_cache_gb=1", f"data.cache_dir={tmp_path}")
     first = _reader(uploaded, *options)
@@ -351,3 +354,111 @@ def test_35_31_the_local_cache_stays_within_its_bound_least_recently_used_evicte
 def test_35_32_a_negative_remote_cache_size_is_refused():
     with pytest.raises(UserError, match=r"data.remote_cache_gb=-1.0 must be >= 0"):
         load_config(None, ["data.remote_cache_gb=-1.0"])
+
+
+# ------------------------------------------------------------------ every form of a location, wherever one is given
+
+ONE_SLASH = {  # every place a path or URL is given: the setting, given with one slash after the scheme
+    "data.root": ["train", "data.name=shards", "data.root=s3:/b/pack"],
+    "checkpoint.dir": ["train", "checkpoint.dir=s3:/b/ck"],
+    "train.resume": ["train", "train.resume=S3:/b/ck/last"],
+    "model.weights": ["train", "model.weights=gs:b/model.pt"],
+    "out_dir": ["train", "out_dir=s3:/b/run"],
+    "data.cache_dir": ["train", "data.cache_dir=file:/cache"],
+    "eval --checkpoint": ["eval", "--checkpoint", "s3:/b/ck/last"],
+    "export --checkpoint": ["export", "--checkpoint", "s3:/b/ck/last", "--out", "m.pt"],
+    "pack --out": ["pack", "--out", "s3:/b/pack", "data.train_size=8", "data.val_size=4"],
+    "pack --verify": ["pack", "--verify", "s3:/b/pack"],
+}
+
+
+@pytest.mark.parametrize("where", ONE_SLASH, ids=lambda where: where.replace(" ", ""))
+def test_a_url_with_one_slash_is_one_line_naming_the_url_meant_never_a_local_folder(where, tmp_path, monkeypatch,
+                                                                                    capsys):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert main(ONE_SLASH[where]) == 2
+    line = one_line(capsys.readouterr().err)
+    given = next(arg for arg in ONE_SLASH[where] if ":/" in arg or ":b/" in arg).split("=")[-1]
+    meant = {"S3:/b/ck/last": "s3://b/ck/last", "gs:b/model.pt": "gs://b/model.pt", "file:/cache": "file:///cache"}
+    assert f"{given} is neither a URL nor a local path" in line
+    assert f"give {meant.get(given, given.replace(':/', '://'))}" in line and "pack --out s3:/" not in line, line
+    assert list(tmp_path.iterdir()) == []  # no ./s3:/… folder, nor a run's
+
+
+def test_an_upper_case_scheme_and_a_file_url_are_read_as_the_url_and_the_path_they_name(tmp_path):
+    absolute = tmp_path / "abs"
+    cfg = load_config(None, ["data.name=shards", "data.root=S3://Bucket/Pack/", "checkpoint.dir=S3A://b/ck",
+                             "train.resume=s3://b/ck/last", f"model.weights=file://{absolute}/m.pt",
+                             f"out_dir=file://{absolute}/run", f"data.cache_dir=FILE://{absolute}/cache"])  # fmt: skip
+    assert (cfg.data.root, cfg.checkpoint.dir, cfg.train.resume) == ("s3://Bucket/Pack", "s3a://b/ck", "s3://b/ck/last")
+    assert (cfg.model.weights, cfg.out_dir, cfg.data.cache_dir) == (f"{absolute}/m.pt", f"{absolute}/run",
+                                                                   f"{absolute}/cache")  # fmt: skip
+    with pytest.raises(UserError, match=r"^checkpoint.dir=file://ck: a file:// URL names an absolute path after its "
+                                        r"two slashes \(file:///abs/path\); give file:///ck or the path itself$"):
+        load_config(None, ["checkpoint.dir=file://ck"])
+
+
+@pytest.mark.slow
+def test_pack_verify_and_data_root_read_a_pack_by_an_upper_case_scheme(uploaded, s3_env, capsys):
+    upper = uploaded.replace("s3://", "S3://")
+    assert main(["pack", "--verify", upper]) == 0
+    assert f"{uploaded}: 242 samples in" in capsys.readouterr().out
+    splits = read_splits(load_config(None, ["data.name=shards", f"data.root={upper}"]).data, 0)
+    assert len(splits.train) == 192 and splits.train.dataset.store.url == uploaded
+
+
+def test_an_hdfs_url_without_a_jvm_is_one_line_naming_what_to_install(tmp_path, monkeypatch, capsys):
+    """pyarrow's HDFS loads the JVM when its filesystem is made: without one, every place that reads or
+    writes the URL says so in one line (or, without pyarrow, names the package to install)."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["pack", "--verify", "hdfs://namenode/pack"],
+                    ["train", "data.name=shards", "data.root=hdfs://namenode/pack"],
+                    ["train", "checkpoint.dir=hdfs://namenode/ck", f"out_dir={tmp_path / 'run'}"],
+                    ["eval", "--checkpoint", "hdfs://namenode/ck/last"]):  # fmt: skip
+        assert main(command) == 2
+        line = one_line(capsys.readouterr().err)
+        assert "hdfs://namenode/" in line and "install" in line, line
+        assert "Java runtime" in line or "pip install fsspec pyarrow" in line, line
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-shards", "cached-files"])
+def test_a_cached_shard_changed_on_disk_is_named_and_read_again_never_used(packed, uploaded, s3_env, monkeypatch,
+                                                                           tmp_path, capsys, whole):  # fmt: skip
+    """data.remote_cache_gb checks every cached byte it uses against the index's sha256 of the shard: a
+    cache file changed on disk (the same size, two bytes changed) is named, as the cache's file and not
+    the bucket's object, removed and read from the URL again; the samples are the pack's."""
+    from multicard.data.sources import shards
+
+    monkeypatch.setattr(shards, "WHOLE_SPLIT_BYTES", shards.WHOLE_SPLIT_BYTES if whole else 0)
+    local = read_splits(load_config(None, ["data.name=shards", f"data.root={packed}"]).data, 0).train.dataset
+    options = ("data.remote_cache_gb=1", f"data.cache_dir={tmp_path}")
+    _read_all(_reader(uploaded, *options), local)
+    later = _reader(uploaded, *options)
+    changed = tmp_path / "remote-shards" / f"{later.keys[1]}.tar"
+    data = bytearray(changed.read_bytes())
+    data[600:602] = bytes([data[600] ^ 0xFF, data[601] ^ 0xFF])  # inside the first image's bytes
+    changed.write_bytes(bytes(data))
+    capsys.readouterr()
+    _read_all(later, local)
+    assert later.requests == [later.names[1]]  # that shard alone read again
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert warned == [f"multicard: warning: cached shard {changed} (of {uploaded}/{later.names[1]}) was changed on "
+                      f"disk: its checksum is not the one the pack's index gives; removed, and {uploaded}/"
+                      f"{later.names[1]} read again"]  # fmt: skip
+    assert changed.read_bytes() == (packed / later.names[1]).read_bytes()  # cached again, as packed
+
+
+def test_a_bucket_object_that_is_not_what_was_packed_is_refused_naming_it(packed, bucket, s3_env, tmp_path):
+    """Whole shards downloaded are checked against the index too: an object of the right size but other
+    bytes is the bucket's to blame, in one line, before any of it is used or cached."""
+    bucket.put(f"{packed}/", f"{BUCKET}/altered/", recursive=True)
+    name = sorted(p.name for p in packed.glob("train-*.tar"))[0]
+    bucket.pipe(f"{BUCKET}/altered/{name}", bytes(bucket.size(f"{BUCKET}/altered/{name}")))
+    reader = _reader(f"s3://{BUCKET}/altered", "data.remote_cache_gb=1", f"data.cache_dir={tmp_path}")
+    with pytest.raises(UserError) as refused:
+        reader[int(np.flatnonzero(reader.shard_of == 0)[0])]
+    assert str(refused.value) == (
+        f"shard s3://{BUCKET}/altered/{name} does not hold what was packed (its checksum is not the one the index "
+        f"gives); restore it or upload the pack again (multicard pack --verify s3://{BUCKET}/altered checks it)"
+    )
+    assert not list((tmp_path / "remote-shards").glob("*.tar"))

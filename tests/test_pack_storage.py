@@ -24,7 +24,7 @@ from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.cli.main import main
 from multicard.data import read_splits
-from multicard.data.sources import remote_shards
+from multicard.data.sources import shard_format
 from multicard.data.sources.shard_format import INDEX
 from multicard.tools.pack import PackOptions, pack, run_pack, staging_folder
 
@@ -105,7 +105,9 @@ def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, refe
     assert samples(url) == samples(reference)
     assert not staging_folder(url).exists()  # the staging folder goes once the index is up
     uploads.clear()
-    assert pack_to(url) == f"{url} already holds this pack (50 samples)"  # nothing packed or uploaded again
+    assert pack_to(url) == (  # nothing packed or uploaded again
+        f"{url} already holds this pack (50 samples); multicard pack --verify {url} checks it"
+    )
     assert uploads == []
     capsys.readouterr()
     assert "into 4 shard(s)" in run_pack(None, DATA, url, None, 4 * SHARD_MB, 1)  # other options: replaced
@@ -137,7 +139,7 @@ def _killed_at(url: str, point: int) -> int:
         os.close(read)
         torch.set_num_threads(1)  # the parent's thread pool does not survive a fork: the synthetic images need none
         done = [0]
-        real = remote_shards.upload_object
+        real = shard_format.upload_object
 
         def upload(remote, local, name):
             if done[0] == point // 2 and point % 2 == 0:
@@ -148,7 +150,7 @@ def _killed_at(url: str, point: int) -> int:
             if done[0] - 1 == point // 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        remote_shards.upload_object = upload
+        shard_format.upload_object = upload
         try:
             pack_to(url)
         finally:
@@ -203,8 +205,8 @@ def test_35_10_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_i
 def recorded_uploads(monkeypatch) -> list[str]:
     """The names of the objects this process uploads from now on, in order."""
     uploads: list[str] = []
-    real = remote_shards.upload_object
-    monkeypatch.setattr(remote_shards, "upload_object", lambda remote, local, name: uploads.append(name)
+    real = shard_format.upload_object
+    monkeypatch.setattr(shard_format, "upload_object", lambda remote, local, name: uploads.append(name)
                         or real(remote, local, name))  # fmt: skip
     return uploads
 

@@ -374,7 +374,8 @@ def test_a_pack_of_another_source_starts_over(folder, tmp_path):
 def test_pack_into_a_folder_that_holds_other_files_is_refused(folder, tmp_path):
     (tmp_path / "mine.txt").write_text("keep me")
     result = cli("pack", "--out", str(tmp_path), *folder_data(folder))
-    assert f"--out {tmp_path} exists and holds no pack; choose a new or empty folder" in one_line_error(result)
+    said = f"--out {tmp_path} holds files that are no pack's (mine.txt); choose a new or empty folder"
+    assert said in one_line_error(result)
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,13 @@
 """Checkpoints: complete, unwrapped, written atomically, readable by any strategy and world size.
 
-`Checkpointer` owns a run's checkpoint folder; formats (one file, or one shard per rank) plug
-in beside each other behind the same small interface (see single_file.py).
+`Checkpointer` owns a run's checkpoint folder, on local disk or object storage through one storage
+interface (base/store.py, checkpoint/folder.py); formats (one file, or one shard per rank) plug in
+beside each other behind the same small interface (see single_file.py).
 """
 
-from multicard.checkpoint.checkpointer import (
-    Checkpointer,
-    check_resume_settings,
-    checkpoints_in,
-    edit_resume_state,
-    format_of,
-    read_checkpoint,
-)
+from multicard.checkpoint.checkpointer import Checkpointer, check_resume_settings, edit_resume_state, read_checkpoint
 from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_model_fits
+from multicard.checkpoint.folder import checkpoint_store, checkpoints_in, format_of
 from multicard.checkpoint.single_file import load_file
 
 __all__ = [
@@ -21,6 +16,7 @@ __all__ = [
     "check_resume_settings",
     "RunFacts",
     "check_model_fits",
+    "checkpoint_store",
     "checkpoints_in",
     "edit_resume_state",
     "format_of",

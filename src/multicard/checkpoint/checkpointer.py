@@ -1,15 +1,15 @@
-"""The one owner of a run's checkpoint folder.
+"""The one owner of a run's checkpoint folder, on local disk or object storage alike (its store:
+base/store.py; its checkpoints: checkpoint/folder.py).
 
 It decides when to save (every N optimizer steps, at epoch ends, when the ranks agree to stop),
-writes through a format (one file by rank 0, or one shard per rank), points `last`/`best` at
-the newest and best checkpoints, keeps the newest `keep_last`, chooses what a run continues
-from (`train.resume` = auto / never / a path, passing over damaged ones) and checks that the
-run can continue it. The training loop only reports that a step or an epoch has ended.
+writes through a format (one file by rank 0, or one shard per rank) and commits it, points `last`/`best`
+at the newest and best checkpoints, keeps the newest `keep_last`, chooses what a run continues
+from (`train.resume` = auto / never / a path or URL, passing over uncommitted and damaged ones) and
+checks that the run can continue it. The training loop only reports that a step or an epoch has ended.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from multicard.base.atomic import remove_temporaries, save_atomic
+from multicard.base.atomic import save_atomic
 from multicard.base.config import CheckpointConfig
 from multicard.base.errors import Stopped, UserError
+from multicard.base.store import Store, open_store
 from multicard.base.version import __version__
 from multicard.checkpoint.compat import (
     FORMAT_VERSION,
@@ -30,18 +31,18 @@ from multicard.checkpoint.compat import (
     check_settings,
     schedule_stretch,
 )
-from multicard.checkpoint.remote import (
-    RemoteFolder,
-    checkpoint_folder,
-    committed_target,
-    downloaded,
-    is_remote,
+from multicard.checkpoint.folder import (
+    FORMATS,
+    POINTERS,
+    CheckpointFolder,
+    checkpoint_store,
+    format_of,
+    locate,
     readable,
+    split,
     step_of,
 )
-from multicard.checkpoint.remote_writer import RemoteWriter, estimate_line
-from multicard.checkpoint.sharded import COMPLETE, TRAIN_STATE, Sharded, incomplete_dirs, part_of_sharded, unmarked_dirs
-from multicard.checkpoint.single_file import SingleFile
+from multicard.checkpoint.sharded import TRAIN_STATE
 from multicard.engine.loop import Callback, Loop, StepEnd
 from multicard.engine.meters import EvalResult
 from multicard.engine.phases import CHECKPOINT, IDLE
@@ -49,110 +50,26 @@ from multicard.engine.phases import CHECKPOINT, IDLE
 if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
     from multicard.strategy.base import Strategy
 
-FORMATS = {"file": SingleFile(), "sharded": Sharded()}
 # The parts of the trainer's state a checkpoint holds at its top level (what eval, export and
 # fine-tuning read); the rest (position, random streams) is under "resume", with the run's facts.
 TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "ema")  # ema: where the run keeps one
+PROBE_BYTES = 2**20  # the test write that measures the link to object storage at start-up
 
 
-def format_of(path: Path) -> Any:
-    """The format that reads `path`."""
-    whole = part_of_sharded(path)
-    if whole is not None:
-        raise UserError(f"{path} is one file of the sharded checkpoint {whole}; give the directory {whole}")
-    for fmt in FORMATS.values():
-        if fmt.owns(path):
-            return fmt
-    if not path.exists():
-        raise UserError(f"checkpoint not found: {path}")
-    if path.is_dir() and checkpoints_in(path):
-        raise UserError(
-            f"{path} is a folder of checkpoints; give one of them, e.g. {path / 'last'} or {checkpoints_in(path)[0]}"
-        )
-    if path.is_dir():
-        raise UserError(
-            f"{path} is a directory that holds no checkpoint; give a step directory "
-            f"(…/checkpoints/step-NNNNNNNNN) or a .pt file"
-        )
-    raise UserError(f"checkpoint {path} is neither a step file (.pt) nor a step directory")
-
-
-def _steps_in(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step checkpoint in `folder` (any format), newest first."""
-    found = [item for fmt in FORMATS.values() for item in fmt.steps(folder)] if folder.is_dir() else []
-    return sorted(found, key=lambda item: item[0], reverse=True)
-
-
-def checkpoints_in(folder: Path) -> list[Path]:
-    """Every step checkpoint in `folder` (any format), newest first."""
-    return [path for _, path in _steps_in(folder)]
-
-
-def newest_readable(folder: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-    """The newest checkpoint whose metadata reads (its path and metadata), and a warning for
-    each newer one passed over: damaged, or a step directory without its COMPLETE marker (on object
-    storage: uncommitted)."""
-    if is_remote(folder):
-        return _newest_committed(folder)
-    unmarked = [(step, path, False) for step, path in unmarked_dirs(folder)] if folder.is_dir() else []
-    candidates = [(step, path, True) for step, path in _steps_in(folder)] + unmarked
-    skipped = []
-    for _, path, complete in sorted(candidates, key=lambda item: item[0], reverse=True):
-        if not complete:
-            skipped.append(
-                f"skipping {path}: it has no {COMPLETE} marker (a run ended while writing it, or it was copied in part)"
-            )
-            continue
-        try:
-            meta = format_of(path).read_meta(path)
-            check_format(meta, path)
-        except UserError as exc:
-            skipped.append(f"skipping damaged {str(exc).removeprefix('checkpoint ')}")
-            continue
-        return path, meta, skipped
-    return None, None, skipped
-
-
-def _newest_committed(url: str) -> tuple[str | None, dict[str, Any] | None, list[str]]:
-    """newest_readable of a folder on object storage: its newest committed checkpoint (a commit object
-    is written once the upload is whole), and a warning for each newer one not committed."""
-    store = RemoteFolder(url)
-    names = store.names()  # one listing
-    committed = store.committed(names)
-    step, newest = committed[0] if committed else (-1, None)
-    cut_short = [u for u in store.uncommitted(names) if step_of(u.rsplit("/", 1)[-1]) > step]  # newer ones
-    skipped = [f"skipping {u}: it has no commit object (a run ended while uploading it)" for u in cut_short]
-    if newest is None:
-        return None, None, skipped
-    with downloaded(newest) as local:
-        meta = format_of(local).read_meta(local)
-        check_format(meta, local)
-    return newest, meta, skipped
-
-
-def resume_path(mode: str) -> Path | str:
-    """The checkpoint train.resume=PATH names: a checkpoint, or the newest that reads in a folder of them
-    (a URL: the newest committed one in a folder of them)."""
-    if is_remote(mode):
-        return _remote_resume_path(mode)
-    path = Path(mode)
-    if not path.exists():
-        raise UserError(f"train.resume={mode} is neither auto, never nor an existing checkpoint file")
-    if path.is_dir() and not any(fmt.owns(path) for fmt in FORMATS.values()) and checkpoints_in(path):
-        newest, _, _ = newest_readable(path)
+def resume_path(mode: str) -> str:
+    """The checkpoint train.resume=PATH names: a checkpoint (checkpoint/folder.py `locate`), or the newest
+    that reads in a folder of them."""
+    store = open_store(mode, "train.resume")
+    name = split(store.url)[1]
+    folder = CheckpointFolder(store)
+    if name not in POINTERS and step_of(name) is None and folder.steps():
+        newest, _, _ = folder.newest_readable()
         if newest is None:
             raise UserError(f"train.resume={mode}: no checkpoint in that folder reads; give one of them, or never")
         return newest
-    return path
-
-
-def _remote_resume_path(url: str) -> str:
-    """train.resume=URL: a committed checkpoint, or the newest committed one of a folder of them."""
-    if step_of(url.rstrip("/").rsplit("/", 1)[-1]) is None:  # not a step checkpoint: maybe a folder of them
-        newest = RemoteFolder(url.rstrip("/")).newest()
-        if newest is not None:
-            return newest
-    return committed_target(url, "train.resume")
+    parent, name = locate(mode, "train.resume", f"train.resume={mode} is neither auto, never nor an existing "
+                          f"checkpoint file")  # fmt: skip
+    return parent.join(name)
 
 
 def check_resume_settings(folder: Path, mode: str, config: dict[str, Any]) -> None:
@@ -162,22 +79,48 @@ def check_resume_settings(folder: Path, mode: str, config: dict[str, Any]) -> No
     if mode == "never":
         return
     if mode == "auto":
-        path, meta, _ = newest_readable(checkpoint_folder(folder, config.get("checkpoint", {}).get("dir")))
+        store = checkpoint_store(folder, config.get("checkpoint", {}).get("dir"))
+        path, meta, _ = CheckpointFolder(store).newest_readable()
     else:
         path = resume_path(mode)
-        with readable(path) as local:
+        with readable(path, "train.resume") as local:
             meta = format_of(local).read_meta(local)
     if path is not None and meta is not None:
         check_settings(meta, path, config)
 
 
 def read_checkpoint(path: Path | str) -> dict[str, Any]:
-    """A checkpoint's contents in the single-file layout, whatever its format; the model as whole
-    CPU tensors (for eval, export and fine-tuning). A URL: a committed checkpoint on object storage."""
-    with readable(path) as local:
+    """A checkpoint's contents in the single-file layout, whatever its format and wherever it is; the
+    model as whole CPU tensors (for eval, export and fine-tuning)."""
+    with readable(str(path)) as local:
         fmt = format_of(local)
         check_format(fmt.read_meta(local), local)
         return fmt.read(local)
+
+
+def state_bytes(loop: Loop) -> int:
+    """About the bytes of one checkpoint: the model's tensors and the optimizer's (before the first step
+    has made them, two per parameter, as Adam keeps)."""
+    model = sum(t.numel() * t.element_size() for t in loop.bare.state_dict().values() if isinstance(t, torch.Tensor))
+    slots = [t for state in loop.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    optimizer = sum(t.numel() * t.element_size() for t in slots)
+    return model + (optimizer if slots else 2 * model)
+
+
+def estimate_line(loop: Loop, store: Store, stop_timeout_s: float) -> str | None:
+    """Where a save crosses a network, the start-up line that says how long one takes: the state's bytes
+    at the rate a test write of PROBE_BYTES measured (request latency included), to compare with a grace
+    period; None on local disk."""
+    took = store.probe_write(PROBE_BYTES)
+    if took is None:
+        return None
+    size, rate = state_bytes(loop), PROBE_BYTES / took
+    return (
+        f"checkpoints: {store.url}, about {size / 2**20:.1f} MiB each; a {PROBE_BYTES // 2**20} MiB test write took "
+        f"{took:.2f} s ({rate / 2**20:.1f} MiB/s): a save (a stop's too) takes about {max(size / rate, took):.1f} s; "
+        f"compare with the grace period your platform gives before preemption (checkpoint.stop_timeout_s="
+        f"{stop_timeout_s:g})"
+    )
 
 
 class Checkpointer(Callback):
@@ -189,100 +132,72 @@ class Checkpointer(Callback):
         run: RunFacts,
         say: Callable[[str], None] = lambda line: None,
     ) -> None:
-        self.folder: Path | str = checkpoint_folder(folder, options.dir)  # checkpoint.dir, else `folder`
+        self.store = checkpoint_store(folder, options.dir)  # checkpoint.dir, else `folder`
+        self.folder = CheckpointFolder(self.store)
         self.strategy = strategy
         self.ctx = strategy.ctx
         self.options = options
         self.run = run
         self.say = say
-        fmt = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
-        self.remote = is_remote(self.folder)
-        self.writer = RemoteWriter(fmt, self.folder, options.stop_timeout_s) if self.remote else fmt
+        self.fmt = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
         self.last_saved: tuple[int, Path | str] | None = None
         # Background writes need a process group of their own: their collectives would otherwise
         # interleave with training's (gloo aborts on that).
         self.background = dist.new_group(backend="gloo") if options.async_save and self.ctx.distributed else None
-        self._pending: tuple[Path, Callable[[], None], bool] | None = None  # a write still in progress
+        self._pending: tuple[str, Callable[[], None], bool] | None = None  # a write still in progress
+        self._best: str | None | bool = False  # the checkpoint `best` names (False: not asked of the store yet)
 
     # ------------------------------------------------------------ resume
 
-    def choose(self, mode: str) -> Path | None:
-        """What to continue from: agreed by every rank (None: start afresh).
+    def choose(self, mode: str) -> str | None:
+        """What to continue from: agreed by every rank (None: start afresh). Leftovers of writes never
+        committed are removed first, and said.
 
-        auto: the newest checkpoint that reads, saying which damaged ones it passed over;
-        never: start afresh and remove the folder's old checkpoints; else the path given.
+        auto: the newest checkpoint that reads, saying which newer ones it passed over;
+        never: start afresh and remove the folder's old checkpoints; else the path or URL given.
         """
         chosen: str | None = None
-        if self.remote:
-            return self._choose_remote(mode)
         if self.ctx.is_main:
-            self._check_folder()
-        if self.ctx.is_main and self.folder.is_dir():
-            remove_temporaries(self.folder)
-            for unfinished in incomplete_dirs(self.folder):
-                shutil.rmtree(unfinished, ignore_errors=True)
-                self.say(f"removed {unfinished.name}: a run ended while writing that checkpoint")
+            self._tidy()
             if mode == "never":
                 self._remove_all()
             elif mode == "auto":
                 chosen = self._newest_valid()
         if mode not in ("auto", "never"):
-            chosen = str(resume_path(mode))  # every rank reads it, and a bad one fails on every rank
-        chosen = self.strategy.broadcast_object(chosen)
-        return Path(chosen) if chosen is not None else None
-
-    def _choose_remote(self, mode: str) -> str | None:
-        """choose() of a folder on object storage: auto takes the newest committed checkpoint (its
-        commit object is written once the upload is whole); uncommitted ones are removed, and said."""
-        chosen: str | None = None
-        store = self.writer.store
-        for url in store.uncommitted() if self.ctx.is_main else []:
-            store.discard(url)
-            self.say(f"removed {url}: a run ended while uploading that checkpoint (it has no commit object)")
-        if self.ctx.is_main and mode == "never":
-            old = self.writer.steps(self.folder)
-            for _, url in old:
-                self.writer.remove(url)
-            if old:
-                self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
-        elif self.ctx.is_main and mode == "auto":
-            chosen = store.newest()
-        elif mode not in ("auto", "never"):
-            chosen = str(resume_path(mode))
+            chosen = resume_path(mode)  # every rank reads it, and a bad one fails on every rank
         return self.strategy.broadcast_object(chosen)
 
-    def _check_folder(self) -> None:
-        """A file in the folder's way is said before any training, not after an epoch. The folder
-        itself is made by the first save: a run refused before it leaves none."""
-        if self.folder.exists() and not self.folder.is_dir():
+    def _tidy(self) -> None:
+        """A file in the folder's way is said before any training, not after an epoch (the folder itself
+        is made by the first save: a run refused before it leaves none); what killed runs left goes."""
+        if self.store.in_the_way():
             raise UserError(
-                f"{self.folder} is a file, not a folder for checkpoints; move it away or choose another out_dir"
+                f"{self.store.url} is a file, not a folder for checkpoints; move it away or choose another out_dir"
             )
+        self.store.tidy()
+        for _, name in self.folder.leftovers(self.store.listing()):
+            self.store.discard(name)
+            self.say(f"removed {name}: a run ended while writing that checkpoint ({self.store.uncommitted_note})")
 
     def _newest_valid(self) -> str | None:
-        path, meta, skipped = newest_readable(self.folder)
+        path, meta, skipped = self.folder.newest_readable()
         for line in skipped:
             self.say(f"warning: {line}")
-        return str(path) if path is not None else None
+        return path
 
     def _remove_all(self) -> None:
-        old = checkpoints_in(self.folder)
-        for path in old:
-            format_of(path).remove(path)
-        self._remove_pointers(FORMATS.values())
+        listing = self.store.listing()
+        old = self.folder.steps(listing)
+        for _, name in old:
+            self.store.retire(name)
+        for pointer in [name for fmt in FORMATS.values() for name in fmt.pointers if name in listing]:
+            self.store.remove(pointer)
         if old:
-            self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.folder}")
-
-    def _remove_pointers(self, formats: Any) -> None:
-        for fmt in formats:
-            for name in fmt.pointers:
-                pointer = self.folder / name
-                if pointer.exists() or pointer.is_symlink():
-                    pointer.unlink()
+            self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.store.url}")
 
     def restore(self, path: Path | str, loop: Loop) -> dict[str, Any]:
         """Check that this run can continue `path`, then load it into the trainer; its contents."""
-        with readable(path) as local:
+        with readable(str(path), "train.resume") as local:
             fmt = format_of(local)
             meta = fmt.read_meta(local)
             check_resumable(meta, local, self.run, loop.bare)
@@ -296,15 +211,27 @@ class Checkpointer(Callback):
 
     # ------------------------------------------------------------ saving
 
-    def save(self, loop: Loop, val: EvalResult | None = None, best: bool = False) -> Path:
+    def save(self, loop: Loop, val: EvalResult | None = None, best: bool = False) -> Path | str:
         """Write the checkpoint of the current step (every rank calls it), then point last (and
         best) at it and drop old ones; all ranks return once it is complete, or, with
-        checkpoint.async_save, once its writing has begun (it completes before the next save)."""
+        checkpoint.async_save or an upload to object storage, once its writing has begun (it completes
+        before the next save). Its location: a Path on local disk, a URL as text."""
         loop.set_phase(CHECKPOINT)
         self.finish_writing()
+        name = self.fmt.name_for(loop.position.global_step)
+        complete, in_background = self.fmt.write(self.store, name, self._contents(loop, val), self.ctx,
+                                                 self.background, self.options.stop_timeout_s)  # fmt: skip
+        self._pending = (name, complete, best)
+        if not in_background:  # the same answer on every rank
+            self.finish_writing()
+        self.last_saved = (loop.position.global_step, self.store.location(name))
+        loop.set_phase(IDLE)
+        return self.last_saved[1]
+
+    def _contents(self, loop: Loop, val: EvalResult | None) -> dict[str, Any]:
         pos = loop.position
-        state = loop.state_dict(whole=self.writer.whole_state)
-        contents = {
+        state = loop.state_dict(whole=self.fmt.whole_state)
+        return {
             "multicard_version": __version__,
             "format": FORMAT_VERSION,
             "config": self.run.config,
@@ -321,36 +248,31 @@ class Checkpointer(Callback):
                 "data_fingerprint": self.run.data_fingerprint,
             },
         }
-        path = self.writer.path_for(self.folder, pos.global_step)
-        self._pending = (path, self.writer.write(path, contents, self.ctx, self.background), best)
-        if self.background is None and not self.remote:  # an upload goes on in the background
-            self.finish_writing()
-        self.last_saved = (pos.global_step, path)
-        loop.set_phase(IDLE)
-        return path
 
     def finish_writing(self) -> None:
         """Complete the write in progress, if any: then point last (and best) at it and rotate."""
         if self._pending is None:
             return
-        path, complete, best = self._pending
+        name, complete, best = self._pending
         self._pending = None
         complete()
         if self.ctx.is_main:
-            if not self.remote:
-                self._remove_pointers(f for f in FORMATS.values() if f is not self.writer)  # a run that changed format
-            self.writer.point(self.folder, "last", path)
+            listing = self.store.listing()
+            for pointer in [p for fmt in FORMATS.values() if fmt is not self.fmt for p in fmt.pointers]:
+                if pointer in listing:  # a run that changed format
+                    self.store.remove(pointer)
+            self.store.point(self.fmt.pointers[0], name)
             if best:
-                self.writer.point(self.folder, "best", path)
-            self._rotate()
+                self._best = self.store.point(self.fmt.pointers[1], name)
+            self._rotate(listing)
         self.strategy.barrier()
 
-    def _rotate(self) -> None:
-        keep = self.writer.pinned(self.folder)
-        steps = sorted(self.writer.steps(self.folder), key=lambda item: item[0], reverse=True)
-        for _, path in steps[self.options.keep_last :]:
-            if path not in keep:
-                self.writer.remove(path)
+    def _rotate(self, listing: dict[str, Any]) -> None:
+        if self._best is False:  # asked of the store once, then remembered
+            self._best = next((self.store.pointed(p, listing) for p in self.fmt.pointers[1:] if p in listing), None)
+        for _, name in self.folder.steps(listing)[self.options.keep_last :]:
+            if name != self._best:
+                self.store.retire(name)
 
     # ------------------------------------------------------------ cadence (Trainer callbacks)
 
@@ -363,8 +285,10 @@ class Checkpointer(Callback):
         self.save(loop, val, best)
 
     def on_fit_start(self, loop: Loop) -> None:
-        if self.remote and self.ctx.is_main:  # what a preemption's grace period must cover
-            self.say(estimate_line(loop, self.writer.store, self.options.stop_timeout_s))
+        if self.ctx.is_main:  # what a preemption's grace period must cover, where saves cross a network
+            line = estimate_line(loop, self.store, self.options.stop_timeout_s)
+            if line is not None:
+                self.say(line)
 
     def on_stop(self, loop: Loop, stop: Stopped) -> None:
         began = time.monotonic()
@@ -378,9 +302,10 @@ class Checkpointer(Callback):
         self.finish_writing()
 
 
-def edit_resume_state(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Change, in place, what the checkpoint at `path` holds to resume from (the loop's position
-    and random streams, under "resume"): `multicard verify --break` drops some of it on purpose."""
+def edit_resume_state(path: Path | str, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change, in place, what the checkpoint at `path` (on local disk) holds to resume from (the loop's
+    position and random streams, under "resume"): `multicard verify --break` drops some of it on purpose."""
+    path = Path(path)
     holder = path / TRAIN_STATE if path.is_dir() else path  # where each format keeps it
     state = torch.load(holder, map_location="cpu", weights_only=True)
     edit(state["resume"])

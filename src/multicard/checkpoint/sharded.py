@@ -1,18 +1,19 @@
 """The sharded checkpoint format: step-NNNNNNNNN/, every rank writing its own shard in parallel
 through torch.distributed.checkpoint (DCP).
 
-A step directory is written under a hidden temporary name; once every rank has written, rank 0
-adds train_state.pt (position, random streams, schedule, config) and a COMPLETE marker, then
-renames it into place: a step directory without the marker is never read. `last` and `best` are
-symbolic links to step directories. Reading reshards: the saved shards are loaded into whatever
-layout the reading run has (fsdp at any world size, ddp, one process with no process group).
+Rank 0 writes train_state.pt (position, random streams, schedule, config) into the step's staging
+folder on the store (base/store.py: a hidden `.step-NNNNNNNNN.incomplete` on local disk, the step's own
+prefix on object storage), every rank its shard (DCP's file writer, or its fsspec writer for a URL);
+once every rank has written, rank 0 adds the COMPLETE marker and commits the folder (renamed into place,
+or its commit object written): a step directory without the marker is never read. Reading reshards:
+the saved shards are loaded into whatever layout the reading run has (fsdp at any world size, ddp, one
+process with no process group).
 """
 
 from __future__ import annotations
 
-import os
+import io
 import pickle
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,33 +22,18 @@ from typing import Any
 
 import torch
 
-from multicard.base.atomic import save_atomic, symlink_atomic, write_text_atomic
 from multicard.base.errors import UserError
+from multicard.base.store import Store
 from multicard.runtime.process_group import ProcessContext
 
 PREFIX = "step-"
 COMPLETE = "COMPLETE"  # written last, by rank 0, after every shard and train_state.pt
 TRAIN_STATE = "train_state.pt"
-INCOMPLETE = ".incomplete"  # suffix of a step directory being written
 TENSORS = ("model", "optimizer", "ema")  # what DCP shards (ema: where the run keeps one); the rest: train_state.pt
 
 
-def _digits(path: Path) -> str:
-    return path.name[len(PREFIX) :]
-
-
-def incomplete_dirs(folder: Path) -> list[Path]:
-    """Step directories a run began writing and never finished (it was killed)."""
-    return sorted(p for p in folder.glob(f".{PREFIX}*{INCOMPLETE}") if p.is_dir())
-
-
-def unmarked_dirs(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of step directories without the COMPLETE marker (cut short, or copied in part)."""
-    return [
-        (int(_digits(p)), p)
-        for p in folder.glob(f"{PREFIX}*")
-        if _digits(p).isdigit() and p.is_dir() and not p.is_symlink() and not (p / COMPLETE).exists()
-    ]
+class Incomplete(UserError):
+    """A step directory without its COMPLETE marker: a run ended while writing it, or it was copied in part."""
 
 
 def part_of_sharded(path: Path) -> Path | None:
@@ -61,59 +47,42 @@ class Sharded:
     needs_template = True  # DCP loads into tensors of the reading run's layout
     whole_state = False  # each rank writes its own shard
 
-    def path_for(self, folder: Path, step: int) -> Path:
-        return folder / f"{PREFIX}{step:09d}"
+    def name_for(self, step: int) -> str:
+        return f"{PREFIX}{step:09d}"
 
     def owns(self, path: Path) -> bool:
         """A step directory: written by this format, or named like one (an unfinished one too)."""
         named = path.name.startswith((PREFIX, f".{PREFIX}"))
         return path.is_dir() and (named or any((path / m).exists() for m in (".metadata", COMPLETE, TRAIN_STATE)))
 
-    def steps(self, folder: Path) -> list[tuple[int, Path]]:
-        """(step, path) of the complete step directories in `folder`."""
-        return [
-            (int(_digits(p)), p)
-            for p in folder.glob(f"{PREFIX}*")
-            if _digits(p).isdigit() and p.is_dir() and not p.is_symlink() and (p / COMPLETE).exists()
-        ]
-
-    def write(
-        self, path: Path, state: dict[str, Any], ctx: ProcessContext, background: Any = None
-    ) -> Callable[[], None]:
-        """Every rank writes its shard into the temporary directory; returns `complete`, which
-        waits for that and (rank 0) adds the marker and renames the directory into place.
-
-        With `background` (a process group of its own), the shards are written by a background
-        thread from a CPU copy of each rank's state, and training goes on until `complete`.
-        """
-        tmp = path.with_name(f".{path.name}{INCOMPLETE}")
+    def write(self, store: Store, name: str, state: dict[str, Any], ctx: ProcessContext, background: Any = None,
+              wait_s: float = 0.0) -> tuple[Callable[[], None], bool]:  # fmt: skip
+        """Every rank writes its shard into the step's staging folder (store.staging); returns `complete`,
+        which waits for that and (rank 0) adds the marker and commits the folder, and whether the write goes
+        on in the background: with `background` (a process group of its own), the shards are written by a
+        background thread from a CPU copy of each rank's state, and training goes on until `complete`."""
+        staged = store.staging(name)
         if ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            store.abandon(name)  # what a killed run left of this step
             try:
-                tmp.mkdir(parents=True)
-            except OSError as exc:
-                raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable out_dir") from None
-            try:
-                save_atomic({k: v for k, v in state.items() if k not in TENSORS}, tmp / TRAIN_STATE)
+                store.write(f"{staged}/{TRAIN_STATE}", serialised({k: v for k, v in state.items() if k not in TENSORS}))
             except UserError:
-                shutil.rmtree(tmp, ignore_errors=True)  # the other ranks, waiting below, lose rank 0 and end
+                store.abandon(name)  # the other ranks, waiting below, lose rank 0 and end
                 raise
         ctx.barrier()
-        with _unwritable(path, tmp, ctx):
-            pending = save_tensors(state, tmp, background)
+        with _unwritable(store, name, ctx):
+            pending = save_tensors(state, store.join(staged), background)
 
         def complete() -> None:
             if pending is not None:
-                with _unwritable(path, tmp, ctx):
+                with _unwritable(store, name, ctx):
                     pending.result()
-                ctx.barrier()  # every rank's shard is written
+            ctx.barrier()  # every rank's shard is written
             if ctx.is_main:
-                write_text_atomic(tmp / COMPLETE, f"step {state['step']}, {ctx.world_size} shard(s)\n")
-                if path.exists():
-                    shutil.rmtree(path)
-                os.replace(tmp, path)
+                store.write(f"{staged}/{COMPLETE}", f"step {state['step']}, {ctx.world_size} shard(s)\n".encode())
+                store.commit(name)
 
-        return complete
+        return complete, pending is not None
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         """Everything but the tensors' values: train state, config, and the model's tensor shapes."""
@@ -153,24 +122,13 @@ class Sharded:
             raise UserError(f"checkpoint {path} cannot be loaded into this run ({_first_line(exc)})") from None
         return {**meta, **tensors}
 
-    def point(self, folder: Path, name: str, path: Path) -> None:
-        symlink_atomic(path.name, folder / name)
-
-    def pinned(self, folder: Path) -> set[Path]:
-        """The step directory `best` points at: rotation keeps it."""
-        best = folder / "best"
-        return {best.resolve()} if best.is_symlink() else set()
-
-    def remove(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
-
     # ------------------------------------------------------------
 
     @staticmethod
     def _complete(path: Path) -> Path:
         path = path.resolve()
         if not (path / COMPLETE).exists() or not (path / ".metadata").exists():
-            raise UserError(
+            raise Incomplete(
                 f"checkpoint {path} is incomplete (a run ended while writing it); use an earlier checkpoint"
             )
         return path
@@ -186,6 +144,13 @@ class Sharded:
             for name, m in metadata.items()
             if name.startswith(prefix) and isinstance(m, dcp.metadata.TensorStorageMetadata)
         }
+
+
+def serialised(state: dict[str, Any]) -> bytes:
+    """torch.save's bytes of `state` (as a file holds them), made in memory."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 def save_tensors(state: dict[str, Any], checkpoint_id: Path | str, background: Any) -> Any:
@@ -239,56 +204,21 @@ def _damage(path: Path) -> str | None:
 
 
 @contextmanager
-def _unwritable(path: Path, tmp: Path, ctx: ProcessContext) -> Iterator[None]:
-    """A failed write of the shards (disk full, quota) in one line, said by rank 0 alone: DCP
-    reports one rank's failure to every rank. What the write made goes (CheckpointException is a
-    BaseException)."""
+def _unwritable(store: Store, name: str, ctx: ProcessContext) -> Iterator[None]:
+    """A failed write of the shards (disk full, quota, the store gone) in one line, said by rank 0 alone:
+    DCP reports one rank's failure to every rank. What local disk holds of it goes (CheckpointException is
+    a BaseException)."""
     try:
         yield
     except (dcp_api().CheckpointException, OSError) as exc:
         every_rank = isinstance(exc, dcp_api().CheckpointException)  # DCP tells every rank of any rank's failure
-        reason = _os_reason(exc) or (_probe(tmp) if ctx.is_main else None) or _first_line(exc)
+        error = store.write_failure(name, exc, probe=ctx.is_main)
         if ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            store.abandon(name)
         if every_rank:
             ctx.barrier()  # removed before any rank ends (a launcher stops the others when one ends)
-        error = UserError(
-            f"cannot write {path} ({reason}); free space in {path.parent} or choose another out_dir "
-            f"(earlier checkpoints are intact)"
-        )
         error.every_rank = every_rank  # then rank 0 alone says it (exits.report_error)
         raise error from None
-
-
-def _os_reason(exc: BaseException) -> str | None:
-    """The OS's reason (e.g. 'No space left on device') inside DCP's per-rank failures, if any."""
-    if isinstance(exc, OSError):
-        return os.strerror(exc.errno) if exc.errno else exc.strerror
-    inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]  # (exc, trace)
-    for cause in [*inner, exc.__cause__, exc.__context__]:
-        if isinstance(cause, BaseException) and cause is not exc:
-            reason = _os_reason(cause)
-            if reason:
-                return reason
-    return None
-
-
-def _probe(folder: Path) -> str | None:
-    """Why `folder` takes no more bytes (disk full, quota), found by writing 1 MiB there; None if it
-    does. DCP's shard writer loses the OS error (torch's zip writer says only 'unexpected pos')."""
-    if not folder.is_dir():
-        return None
-    probe = folder / ".space-probe"
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(2**20))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        return exc.strerror
-    finally:
-        probe.unlink(missing_ok=True)
-    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,13 +1,15 @@
 """The single-file checkpoint format: step-NNNNNNNNN.pt, written whole by rank 0.
 
-For strategies whose every rank holds the whole model (single, dp, ddp). `last.pt` and
-`best.pt` are hard links to step files (no copies), so best.pt outlives its rotated step file.
+For strategies whose every rank holds the whole model (single, dp, ddp). On local disk `last.pt` and
+`best.pt` are hard links to step files (no copies), so best.pt outlives its rotated step file; on
+object storage they are small objects naming one (base/store.py).
 Files are read with torch's weights-only unpickler: a crafted file cannot run code.
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +17,9 @@ from typing import Any
 
 import torch
 
-from multicard.base.atomic import link_atomic, save_atomic
 from multicard.base.errors import UserError
+from multicard.base.storage import storage_error
+from multicard.base.store import Store
 from multicard.runtime.process_group import ProcessContext
 
 PREFIX = "step-"
@@ -60,28 +63,21 @@ class SingleFile:
     needs_template = False  # reads whole tensors; nothing to load into
     whole_state = True  # rank 0 writes whole tensors (fsdp gathers them onto rank 0 for it)
 
-    def path_for(self, folder: Path, step: int) -> Path:
-        return folder / f"{PREFIX}{step:09d}{SUFFIX}"
+    def name_for(self, step: int) -> str:
+        return f"{PREFIX}{step:09d}{SUFFIX}"
 
     def owns(self, path: Path) -> bool:
         return path.suffix == SUFFIX and not path.is_dir()
 
-    def steps(self, folder: Path) -> list[tuple[int, Path]]:
-        """(step, path) of the step files in `folder`."""
-        out = []
-        for p in folder.glob(f"{PREFIX}*{SUFFIX}"):
-            digits = p.name[len(PREFIX) : -len(SUFFIX)]
-            if digits.isdigit() and p.is_file():
-                out.append((int(digits), p))
-        return out
-
-    def write(
-        self, path: Path, state: dict[str, Any], ctx: ProcessContext, background: Any = None
-    ) -> Callable[[], None]:
-        """Rank 0 writes (every rank holds the same model); the file is complete on return."""
-        if ctx.is_main:
-            save_atomic(state, path)
-        return lambda: None
+    def write(self, store: Store, name: str, state: dict[str, Any], ctx: ProcessContext, background: Any = None,
+              wait_s: float = 0.0) -> tuple[Callable[[], None], bool]:  # fmt: skip
+        """Rank 0 writes (every rank holds the same model): on local disk complete on return; on object
+        storage the state is serialised at once (a snapshot: training then changes the tensors) and a thread
+        uploads and commits it while training goes on. `complete`, and whether it goes on in the background."""
+        upload = store.write_later(name, (lambda f: torch.save(state, f)) if ctx.is_main else None)
+        if upload is None:  # written (every rank alike: the same store)
+            return (lambda: None), False
+        return Upload(upload, store.join(name), wait_s).wait, True
 
     def read(self, path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]:
         return load_file(path)
@@ -89,13 +85,30 @@ class SingleFile:
     def read_meta(self, path: Path) -> dict[str, Any]:
         return load_file(path)
 
-    def point(self, folder: Path, name: str, path: Path) -> None:
-        """Make `<name>.pt` (last, best) refer to `path`."""
-        link_atomic(path, folder / f"{name}{SUFFIX}")
 
-    def pinned(self, folder: Path) -> set[Path]:
-        """Step checkpoints rotation must keep: none (best.pt is its own hard link)."""
-        return set()
+class Upload:
+    """Work on a thread of its own, training going on meanwhile; `wait` joins it, raising its error."""
 
-    def remove(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+    def __init__(self, work: Callable[[], None], what: str, wait_s: float) -> None:
+        self.what, self.wait_s = what, wait_s
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(work,), name="multicard-upload", daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the training thread
+            self.error = exc
+
+    def wait(self) -> None:
+        self.thread.join(self.wait_s)
+        if self.thread.is_alive():
+            raise UserError(
+                f"the upload of {self.what} took longer than checkpoint.stop_timeout_s={self.wait_s:g} s; raise it, "
+                f"or check the link to the storage (the last committed checkpoint is intact)"
+            )
+        if isinstance(self.error, UserError):
+            raise self.error
+        if self.error is not None:
+            raise storage_error(self.what, self.error, 1, 0.0, "write")

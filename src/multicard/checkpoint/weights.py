@@ -16,14 +16,11 @@ import torch
 import torch.nn as nn
 
 from multicard.base.errors import UserError
-from multicard.base.storage import is_url
-from multicard.checkpoint.remote import BEST_NAMES, LAST_NAMES, downloaded, readable, step_of
+from multicard.checkpoint.folder import format_of, locate
 from multicard.checkpoint.single_file import load_weights_only
 
 
 def _state_dict_in(path: Path) -> dict[str, Any]:
-    from multicard.checkpoint.checkpointer import format_of
-
     if path.is_dir() or path.suffix == ".pt":
         try:
             return format_of(path).read(path)["model"]
@@ -47,13 +44,10 @@ def _state_dict_in(path: Path) -> dict[str, Any]:
 
 
 def _weights_at(path: str) -> dict[str, Any]:
-    """The state dict at a path or URL: a committed checkpoint there (step-N, last, best), or a plain
-    state dict object (what export wrote, uploaded)."""
-    if not is_url(path):
-        return _state_dict_in(Path(path))
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    a_checkpoint = step_of(name) is not None or name in LAST_NAMES + BEST_NAMES
-    with readable(path, "model.weights") if a_checkpoint else downloaded(path) as local:
+    """The state dict at a path or URL: a checkpoint there (step-N, last, best: committed), or a plain
+    state dict file or object (what export wrote, uploaded)."""
+    store, name = locate(path, "model.weights", f"model.weights={path} does not exist")
+    with store.local_copy(name) as local:
         return _state_dict_in(local)
 
 

@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from multicard.base.config import check_local_path, load_config, parse_devices
+from multicard.base.config import load_config, parse_devices
 from multicard.base.errors import ExitCode, MulticardError, UserError
-from multicard.base.storage import check_url, is_url
+from multicard.base.locations import canonical, check_location
 from multicard.base.version import __version__
 from multicard.run.preflight import check_output_folder, preflight
 from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
@@ -406,17 +406,19 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _check_local_paths(args: argparse.Namespace) -> None:
-    """The command line's own paths are local ones (config paths: config.check_paths), but pack's
-    --out and --verify, which may be URLs (tools/pack.py checks them)."""
-    urls = ("out", "verify") if args.command == "pack" else ()
+    """The command line's own paths and URLs, in their canonical form (base/locations.py; config paths:
+    config.check_paths): eval/export --checkpoint and pack's --out and --verify may be URLs (tools/pack.py
+    checks those), every other one is local."""
+    urls = ("checkpoint", "out", "verify") if args.command == "pack" else ("checkpoint",)
     for flag in ("checkpoint", "out", "verify", "keep", "config"):
         value = getattr(args, flag, None)
-        if flag == "checkpoint" and is_url(value):  # eval --checkpoint URL, export URL: read through fsspec
-            check_url(value, "--checkpoint")
-        elif isinstance(value, str) and flag not in urls:
-            check_local_path(value, f"--{flag}")
-    for run_dir in getattr(args, "runs", None) or []:
-        check_local_path(run_dir, "RUN_DIR")
+        if isinstance(value, str):
+            setattr(args, flag, canonical(value, f"--{flag}"))
+            check_location(getattr(args, flag), f"--{flag}", flag in urls)
+    if getattr(args, "runs", None):
+        args.runs = [canonical(run_dir, "RUN_DIR") for run_dir in args.runs]
+        for run_dir in args.runs:
+            check_location(run_dir, "RUN_DIR", urls=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import torch
 from multicard.base.config import DataConfig, check_decode
 from multicard.base.errors import UserError
 from multicard.base.host_memory import available_memory
-from multicard.base.storage import is_url
+from multicard.base.store import open_store
 from multicard.data.augmentation.device_transform import Augment, DeviceTransform
 from multicard.data.augmentation.policies import sample_policy
 from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
@@ -47,14 +47,6 @@ from multicard.data.sources.folders import (
     scan_folder,
 )
 from multicard.data.sources.ranks import check_same_across_ranks
-from multicard.data.sources.remote_shards import (
-    check_pack_prefix,
-    read_remote_index,
-    remote_objects,
-    remote_shard_splits,
-    upload_pack,
-    uploaded_index,
-)
 from multicard.data.sources.samples import encoded_sample, image_header
 from multicard.data.sources.shard_cache import GB, ShardCache
 from multicard.data.sources.shards import ShardSamples, order_of, prefetch_items, shard_splits
@@ -66,8 +58,8 @@ __all__ = [
     # a config's sources, and their samples
     "read_splits", "Splits", "Source", "Files", "Items", "InMemory", "sample_list_fingerprint", "EncodedImage",
     "encoded_sample", "image_header", "to_picture", "prefetch_items",
-    # packs: the shard format (data/sources/shard_format.py), and packs on object storage
-    "shard_format", "check_pack_prefix", "read_remote_index", "remote_objects", "upload_pack", "uploaded_index",
+    # packs: the shard format (data/sources/shard_format.py: reading and publishing, any store)
+    "shard_format",
     # loaders
     "build_data", "Data", "BatchSplit", "repeats_note", "loader_processes", "loader_for", "capped_to_cores",
     "to_device", "is_small", "default_cache_dir",
@@ -116,8 +108,7 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
     elif d.name == "shards":
         cache = ShardCache(cache_folder(d), round(d.remote_cache_gb * GB)) if d.remote_cache_gb else None
-        splits = (remote_shard_splits(d.root, d.reads_in_flight, d.read_retries, cache) if is_url(d.root)
-                  else shard_splits(Path(d.root), d.reads_in_flight))  # fmt: skip
+        splits = shard_splits(open_store(d.root, "data.root", d.read_retries), d.reads_in_flight, cache)
     elif d.name == "hf":
         from multicard.data.sources.hf import hf_splits  # imports the optional datasets package
 

@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from multicard.base.atomic import probe_write
 from multicard.base.config import Config, LogConfig, check_local_path, to_dict
 from multicard.base.errors import UserError
+from multicard.base.store import LocalStore, open_store
+from multicard.base.store_lock import StoreLock
 from multicard.checkpoint import check_resume_settings
 from multicard.observe.telemetry import check_tensorboard_folder, tensorboard_writer
 from multicard.runtime.run_lock import RunLock
@@ -37,20 +38,9 @@ def prepare_out_dir(path: str) -> Path:
 def check_output_folder(path: str, flag: str) -> None:
     """The folder a command writes its results into (plan --out, bench --out, verify --keep) can
     be: checked before any work, so a file in its place or a folder that cannot be written is one
-    line now, not a traceback after minutes of measuring. Nothing is created here; a file is
-    written and removed in the folder (or its nearest existing parent) to see, as permission bits
-    do not tell (root, read-only mounts)."""
+    line now, not a traceback after minutes of measuring. Nothing is created here."""
     check_local_path(path, flag)
-    out = Path(path).expanduser()
-    where = next(folder for folder in (out, *out.parents) if folder.exists())
-    if not where.is_dir():
-        inside = "" if where == out else f": {where}"
-        raise UserError(f"{flag} {path}{inside} is a file; give a folder (the results are written inside it)")
-    try:
-        probe_write(where)
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise UserError(f"{flag} {path} cannot be written ({reason}); choose another folder") from None
+    LocalStore(path).check_writable(flag)
 
 
 # The one line for a tracker asked for whose package is missing (the module is the config key)
@@ -90,14 +80,17 @@ def check_training_run(cfg: Config) -> None:
     check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))
 
 
-def claim_out_dir(path: str, hold: bool, say: Callable[[str], None]) -> RunLock:
-    """out_dir, made and checked writable, with its lock: held when `hold` (the run's holder). A
-    run refused here leaves out_dir as it found it."""
+def claim_out_dir(path: str, hold: bool, say: Callable[[str], None], checkpoint_dir: str | None = None) -> RunLock:
+    """out_dir, made and checked writable, with its lock, and checkpoint.dir's lock where it is given
+    (a folder or a URL other runs may also name): held when `hold` (the run's holder). A run refused
+    here leaves out_dir as it found it."""
     fresh = not Path(path).exists()
     lock = RunLock(prepare_out_dir(path), made_out_dir=fresh)
     if hold:
         try:
             lock.acquire(say)
+            if checkpoint_dir:
+                lock.hold_also(StoreLock(open_store(checkpoint_dir, "checkpoint.dir"), "checkpoint.dir"), say)
         except UserError:
             lock.refused()
             lock.release()
@@ -111,7 +104,7 @@ def preflight(cfg: Config, hold_lock: bool, say: Callable[[str], None] = print) 
     the run lasts: see the module docstring for who calls it. A run refused inside (bad input)
     leaves out_dir as it found it (what a run wrote before failing stays)."""
     check_training_run(cfg)
-    with claim_out_dir(cfg.out_dir, hold_lock, say) as lock:
+    with claim_out_dir(cfg.out_dir, hold_lock, say, cfg.checkpoint.dir) as lock:
         try:
             yield lock
         except UserError:

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from multicard.base.errors import UserError
-from multicard.checkpoint.remote import checkpoint_folder
+from multicard.checkpoint import checkpoint_store
 from multicard.data.loading.keyed import Transform, check_map_style
 from multicard.engine.loop import Position
 from multicard.engine.phases import EVALUATION, IDLE
@@ -75,7 +75,7 @@ class Run:
     out_dir = property(lambda self: self.runtime.out_dir)
     # checkpoint.dir (a path, or a URL as text), else out_dir/checkpoints
     checkpoint_dir = property(
-        lambda self: checkpoint_folder(self.runtime.out_dir / "checkpoints", self.runtime.cfg.checkpoint.dir)
+        lambda self: checkpoint_store(self.runtime.out_dir / "checkpoints", self.runtime.cfg.checkpoint.dir).location()
     )
     strategy = property(lambda self: self.runtime.strategy.name, doc="single | dp | ddp | fsdp, as resolved")
 

@@ -41,7 +41,7 @@ class Runtime:
         self.split = self.parts.batch_split
         self.stop = self.parts.stop
         self.reporter = self.parts.reporter
-        self.lock = claim_out_dir(cfg.out_dir, self.ctx.is_main, self.reporter.print)
+        self.lock = claim_out_dir(cfg.out_dir, self.ctx.is_main, self.reporter.print, cfg.checkpoint.dir)
         self.out_dir = self.parts.out_dir
         seed_process(cfg.seed)  # a model built after this starts from the same weights on every rank
 

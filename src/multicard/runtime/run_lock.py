@@ -7,7 +7,8 @@ refused (bad input) leaves out_dir as it found it: the lock file goes if that ru
 out_dir too if the run made it and it is empty.
 
 Who holds it: the built-in launcher on node 0 (its workers, restarted ones included, run under
-it); otherwise rank 0 of the job (one process, torchrun, srun).
+it); otherwise rank 0 of the job (one process, torchrun, srun). It also holds, for as long, the run's
+other locks (`hold_also`: a checkpoint.dir elsewhere, base/store_lock.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from multicard.base.errors import UserError
 
@@ -31,6 +33,7 @@ class RunLock:
         self._made_out_dir = made_out_dir  # this run created out_dir (prepare_out_dir)
         self._made_file = False
         self._refused = False
+        self._others: list[Any] = []  # locks held with this one, released before it
 
     def acquire(self, say: Callable[[str], None]) -> None:
         """Hold the lock, or fail in one line naming the run that holds it."""
@@ -54,6 +57,11 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
         self._fd = fd
+
+    def hold_also(self, other: Any, say: Callable[[str], None]) -> None:
+        """Acquire another lock of this run and hold it for as long as this one."""
+        other.acquire(say)
+        self._others.append(other)
 
     def _open(self) -> int:
         """The lock file's descriptor, noting whether this run made the file."""
@@ -79,6 +87,8 @@ class RunLock:
     def release(self) -> None:
         """Clear the holder's name and drop the lock (the file stays, unless a refused run made
         it: acquire checks that the file it locked is still the one at the path)."""
+        while self._others:
+            self._others.pop().release()
         if self._fd is not None:
             if self._refused and self._made_file:
                 self.path.unlink(missing_ok=True)  # while still locked: no other run holds this file

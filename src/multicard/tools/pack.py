@@ -16,15 +16,15 @@ shards of about `--shard-mb`. Everything is written under a temporary name and r
 index comes last, so an interrupted pack never looks complete; a rerun continues from the chunks
 already packed, or starts over when the source or the options changed, and says which.
 
-`--out URL` (any fsspec URL): the pack is made so in a staging folder (`staging_folder`), then its
-shards are uploaded and its index last, the commit (remote_shards.upload_pack); a rerun completes an
+`--out` is a folder or a URL (any fsspec URL), one store either way (base/store.py): the pack is made in
+the folder itself, or for a URL in a staging folder of the temporary directory (`staging_folder`), then
+published (shard_format.upload_pack): its shards, and its index last, the commit; a rerun completes an
 interrupted upload, leaving the shards that are there whole.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import multiprocessing
@@ -33,7 +33,6 @@ import shutil
 import signal
 import tarfile
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,21 +42,8 @@ import numpy as np
 from multicard.base.atomic import remove_temporaries, write_text_atomic
 from multicard.base.config import READS_ROOT, DataConfig
 from multicard.base.errors import UserError
-from multicard.base.storage import Remote, check_url, is_url
-from multicard.data import (
-    Files,
-    Items,
-    Splits,
-    capped_to_cores,
-    check_pack_prefix,
-    encoded_sample,
-    image_header,
-    read_remote_index,
-    remote_objects,
-    shard_format,
-    upload_pack,
-    uploaded_index,
-)
+from multicard.base.store import Store, open_store
+from multicard.data import Files, Items, Splits, capped_to_cores, encoded_sample, image_header, shard_format
 from multicard.runtime.exits import die_with_parent
 from multicard.runtime.process_group import cpu_cores
 
@@ -231,10 +217,10 @@ def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
 
 def check_out(out: Path) -> None:
     """A new or empty folder, or one holding a pack (finished or not): never another's files."""
-    if (out / shard_format.INDEX).is_file() or (out / shard_format.PARTIAL).is_dir():
-        return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out} exists and holds no pack; choose a new or empty folder")
+    store = open_store(str(out), "--out")
+    if store.in_the_way():
+        raise UserError(f"--out {out} is a file; give a folder (the pack is written inside it)")
+    shard_format.check_pack_target(store)
 
 
 def _clear(out: Path) -> None:
@@ -390,36 +376,23 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
 # ---------------------------------------------------------------- verify
 
 
-def verify_pack(out: Path | str) -> str:
+def verify_pack(out: str) -> str:
     """Everything the index states: its entries (shard_format.read_index: inside their shards, labels of its
     classes), both splits with the counts the pack planned, every shard whole (size, sha256), its
     members where the index says with the index's labels, each image's size, format and mode as
     the index gives them, the checksum of each split's samples, and the index as pack wrote it
     (its digest: class names, source). `out`: a folder, or a URL (each shard read whole, one at a time)."""
-    index, raw, open_shard = _pack_at(out)
-    shard_format.check_splits(index)
-    samples = sum(_verify_split(index, raw, name, open_shard) for name in index.splits)
+    store = open_store(str(out), "--verify", DataConfig().read_retries)
+    index, raw, _ = shard_format.read_index(store, f"--verify {store.url}")
+    samples = sum(_verify_split(index, raw, name, store) for name in index.splits)
     if "digest" in raw and raw["digest"] != shard_format.index_digest(raw):  # packs of before the digest have none
         raise UserError(f"index {index.path} was changed after packing (its class names or source differ); pack again")
     shards = sum(len(s.shards) for s in index.splits.values())
-    return f"{out}: {samples} samples in {shards} shard(s) verified (sizes, checksums, tar members, labels, images)"
+    checked = "sizes, checksums, tar members, labels, images"
+    return f"{store.url}: {samples} samples in {shards} shard(s) verified ({checked})"
 
 
-def _pack_at(out: Path | str) -> tuple[shard_format.Index, dict[str, Any], Callable[[Any], BinaryIO]]:
-    """The index of the pack in a folder or at a URL (its shards' sizes checked), its JSON, and how a
-    shard's bytes are opened."""
-    if is_url(str(out)):
-        remote = Remote(str(out), DataConfig().read_retries)
-        index, raw, _ = read_remote_index(remote, f"--verify {remote.url}")
-        return index, raw, lambda url: io.BytesIO(remote.read(url.rsplit("/", 1)[-1]))
-    index = shard_format.read_index(Path(out), f"--verify {out}")
-    for split in index.splits.values():
-        shard_format.check_shards(split)
-    return index, json.loads(index.path.read_text()), lambda path: path.open("rb")
-
-
-def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str,
-                  open_shard: Callable[[Any], BinaryIO]) -> int:  # fmt: skip
+def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str, store: Store) -> int:
     """verify_pack's checks of one split; its number of samples."""
     split = index.splits[name]
     planned = raw.get("plan", {}).get("sizes", {}).get(name, len(split))
@@ -429,7 +402,7 @@ def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str,
     for number, path in enumerate(split.shards):
         mine = np.flatnonzero(split.columns["shard"] == number)
         mine = mine[np.argsort(split.columns["offset"][mine])]  # in the order they are stored
-        with open_shard(path) as f:
+        with store.open_binary(path.rsplit("/", 1)[-1]) as f:
             if shard_format.stream_digest(f) != raw["splits"][name]["shards"][number]["sha256"]:
                 raise UserError(f"shard {path} does not hold what was packed (its checksum differs); pack again")
             f.seek(0)
@@ -439,7 +412,7 @@ def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str,
     return len(split)
 
 
-def _check_members(index: shard_format.Index, split_name: str, path: Path | str, f: BinaryIO, mine: np.ndarray,
+def _check_members(index: shard_format.Index, split_name: str, path: str, f: BinaryIO, mine: np.ndarray,
                    hashes: list[bytes]) -> None:  # fmt: skip
     """The shard's members are the samples `mine` (in stored order) where the index says, with its
     labels and headers; each one's sha256 into `hashes`."""
@@ -463,7 +436,7 @@ def _check_members(index: shard_format.Index, split_name: str, path: Path | str,
         raise UserError(f"shard {path} is not a readable tar file ({exc}); pack again") from None
 
 
-def _check_header(index: shard_format.Index, split_name: str, i: int, data: bytes, shard: Path) -> None:
+def _check_header(index: shard_format.Index, split_name: str, i: int, data: bytes, shard: str) -> None:
     """Sample i's width, height, format, mode and extension in the index are its image's (a crop plan uses them)."""
     split = index.splits[split_name]
     header = [split.header[key][i] for key in ("format", "mode", "ext")]
@@ -485,18 +458,14 @@ def _check_header(index: shard_format.Index, split_name: str, i: int, data: byte
 def run_pack(config: str | None, overrides: list[str], out: str | None, verify: str | None, shard_mb: float,
              workers: int) -> str:  # fmt: skip
     """What `multicard pack` does; its one-line summary."""
-    from multicard.base.config import check_local_path, load_config
+    from multicard.base.config import load_config
     from multicard.data import read_splits
-    from multicard.run.preflight import check_output_folder
 
-    if is_url(out or verify):
-        check_url(out or verify, "--out" if out else "--verify")
-    else:
-        check_local_path(out or verify, "--out" if out else "--verify")
     if verify:
         return verify_pack(verify)
     if not out:
         raise UserError("multicard pack needs --out DIR (the folder to pack into), or --verify DIR")
+    store = open_store(out, "--out")
     if not shard_mb > 0:
         raise UserError(f"--shard-mb {shard_mb} must be > 0 (the size of one shard in MiB, e.g. 256)")
     if workers < 0:
@@ -504,14 +473,13 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     cfg = load_config(config, overrides)
     if cfg.data.name == "shards":
         raise UserError("data.name=shards is packed already; name the dataset to pack (e.g. data.name=imagefolder)")
-    if is_url(out):
-        remote = Remote(out, cfg.data.read_retries)
-        check_pack_prefix(remote, remote_objects(remote))  # before reading the dataset
-        return pack_to_url(cfg.data, read_splits(cfg.data, cfg.seed), remote, shard_mb, workers)
-    check_apart(Path(out), cfg.data)
-    check_output_folder(out, "--out")  # a file in its path, or a folder that cannot be written
-    check_out(Path(out))  # before reading the dataset
-    return pack(cfg.data, read_splits(cfg.data, cfg.seed), PackOptions(Path(out), shard_mb, workers))
+    store.retries = cfg.data.read_retries
+    check_apart(store, cfg.data)
+    store.check_writable("--out")  # a file in its path, or a folder that cannot be written
+    if store.in_the_way():
+        raise UserError(f"--out {store.url} is a file; give a folder (the pack is written inside it)")
+    shard_format.check_pack_target(store)  # before reading the dataset
+    return pack_into(cfg.data, read_splits(cfg.data, cfg.seed), store, shard_mb, workers)
 
 
 def staging_folder(url: str) -> Path:
@@ -520,24 +488,30 @@ def staging_folder(url: str) -> Path:
     return Path(tempfile.gettempdir()) / f"multicard-pack-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
 
 
-def pack_to_url(d: DataConfig, splits: Splits, remote: Remote, shard_mb: float, workers: int,
-                progress_console=None) -> str:  # fmt: skip
-    """Pack into the staging folder, then upload the shards and the index last (upload_pack); the
-    staging folder goes once the index is up. The one-line summary."""
+def pack_into(d: DataConfig, splits: Splits, store: Store, shard_mb: float, workers: int,
+              progress_console=None) -> str:  # fmt: skip
+    """Pack into the store's folder: made there, or in a staging folder and published (shard_format.upload_pack:
+    the shards, then the index last), the staging folder removed once the index is up. The one-line summary."""
     from rich.console import Console
 
     console = progress_console or Console(stderr=True)
     plan = pack_plan(d, splits, shard_mb)
-    if same_plan(uploaded_index(remote), plan):
-        return f"{remote.url} already holds this pack ({sum(plan['sizes'].values())} samples)"
-    staging = staging_folder(remote.url)
-    pack(d, splits, PackOptions(staging, shard_mb, workers), console)
-    uploaded, shards = upload_pack(staging, remote, lambda line: console.print(line, highlight=False, soft_wrap=True))
-    shutil.rmtree(staging, ignore_errors=True)
-    there = f"{shards - uploaded} of them there already, " if uploaded < shards else ""
+    n = sum(plan["sizes"].values())
+    if same_plan(shard_format.stored_index(store), plan):
+        return f"{store.url} already holds this pack ({n} samples); multicard pack --verify {store.url} checks it"
+    with store.workspace(staging_folder(store.url)) as staging:
+        pack(d, splits, PackOptions(staging, shard_mb, workers), console)
+        say = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
+        written = shard_format.upload_pack(staging, store, say)
+        packed = json.loads((staging / shard_format.INDEX).read_text())
+    shards = [shard for split in packed["splits"].values() for shard in split["shards"]]
+    there = len(shards) - (len(written) - 1)  # written: the shards uploaded, then the index
+    published = (f" ({f'{there} of them there already, ' if there else ''}index.json uploaded last)"
+                 if written else "")  # fmt: skip
     return (
-        f"packed {len(splits.train)} training and {len(splits.val)} validation samples into {shards} shard(s) "
-        f"in {remote.url} ({there}index.json uploaded last)"
+        f"packed {len(splits.train)} training and {len(splits.val)} validation samples, "
+        f"{sum(shard['bytes'] for shard in shards) / 2**20:.1f} MiB, into {len(shards)} shard(s) in {store.url}"
+        f"{published}"
     )
 
 
@@ -546,19 +520,19 @@ def same_plan(index: dict[str, Any] | None, plan: dict[str, Any]) -> bool:
     return index is not None and index.get("fingerprint") == plan["fingerprint"] and index.get("plan") == plan
 
 
-def check_apart(out: Path, d: DataConfig) -> None:
+def check_apart(store: Store, d: DataConfig) -> None:
     """The pack's folder and the dataset's apart: a pack inside the source becomes part of it (a class
     folder of shards), and a source inside the pack's folder would be cleared by a pack starting over."""
     roots = {"data.root": d.root if d.name in READS_ROOT else None, "data.val_root": d.val_root}
-    where = out.resolve()
     for key, root in roots.items():
-        source = Path(root).resolve() if root else None
-        if source is not None and (where == source or source in where.parents):
+        where = store.overlaps(root) if root else None
+        if where == "inside":
             raise UserError(
-                f"--out {out} lies inside {key}={root}, the dataset being packed, and would become part of it; "
+                f"--out {store.url} lies inside {key}={root}, the dataset being packed, and would become part of it; "
                 f"choose a folder outside it"
             )
-        if source is not None and where in source.parents:
+        if where == "holds":
             raise UserError(
-                f"{key}={root} lies inside --out {out}, where the pack is written; choose a folder outside the dataset"
+                f"{key}={root} lies inside --out {store.url}, where the pack is written; choose a folder outside the "
+                f"dataset"
             )

@@ -8,15 +8,15 @@ result is read-only.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from multicard.base.config.top import Config
+from multicard.base.config.top import PATH_KEYS, Config
 from multicard.base.errors import UserError
+from multicard.base.locations import canonical
 
 
 def _one_line(exc: OmegaConfBaseException) -> str:
@@ -95,30 +95,23 @@ def _finish(node: DictConfig, overrides: list[str] | None) -> Config:
         cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise UserError(f"bad config: {_one_line(exc)}") from None
+    cfg = _canonical_paths(cfg)
     cfg.check()
-    return _expand_home(cfg)
+    return cfg
 
 
-def _expand_home(cfg: Config) -> Config:
-    """`~` in paths means the home directory, as in a shell (out_dir=~/runs/x)."""
-
-    def expand(path: str | None) -> str | None:
-        return os.path.expanduser(path) if path else path
-
-    resume = cfg.train.resume if cfg.train.resume in ("auto", "never") else expand(cfg.train.resume)
-    return dataclasses.replace(
-        cfg,
-        out_dir=expand(cfg.out_dir),
-        data=dataclasses.replace(
-            cfg.data,
-            root=expand(cfg.data.root),
-            val_root=expand(cfg.data.val_root),
-            cache_dir=expand(cfg.data.cache_dir),
-        ),
-        model=dataclasses.replace(cfg.model, weights=expand(cfg.model.weights)),
-        train=dataclasses.replace(cfg.train, resume=resume),
-        checkpoint=dataclasses.replace(cfg.checkpoint, dir=expand(cfg.checkpoint.dir)),
-    )
+def _canonical_paths(cfg: Config) -> Config:
+    """Every path and URL of the config in its canonical form (base/locations.py: `~` expanded, a URL's
+    scheme in lower case, file:///abs as /abs), or one line for a malformed one: parsed here, once."""
+    changes: dict[str, dict[str, str]] = {}
+    for key in PATH_KEYS:
+        value = cfg.path(key)
+        if value:
+            section, _, name = key.rpartition(".")
+            changes.setdefault(section, {})[name] = canonical(value, key)
+    top = changes.pop("", {})
+    sections = {section: dataclasses.replace(getattr(cfg, section), **values) for section, values in changes.items()}
+    return dataclasses.replace(cfg, **top, **sections)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

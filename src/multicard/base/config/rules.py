@@ -1,4 +1,5 @@
-"""The shapes of a config rule every section uses: a choice, a range, a finite number, a local path.
+"""The shapes of a config rule every section uses: a choice, a range, a finite number, a local path
+(base/locations.py).
 Each says what to change in one line (a `UserError`)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import math
 from typing import Any
 
 from multicard.base.errors import UserError
-from multicard.base.storage import URL
+from multicard.base.locations import check_local_path as check_local_path  # a rule every section may use
 
 
 def choice(value: str, name: str, choices: tuple[str, ...]) -> None:
@@ -43,20 +44,3 @@ def changed_fields(section: Any) -> list[str]:
     """The fields of a section set to other than their defaults."""
     defaults = type(section)()
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(defaults, f.name)]
-
-
-def check_local_path(value: str | None, name: str) -> None:
-    """A path multicard reads or writes is a local one (a mounted filesystem counts): a URL is one
-    line, never a local folder named after its scheme (s3:/bucket/... in the working directory)."""
-    match = URL.match(value or "")
-    if match:
-        given = f"{name} {value}" if name.startswith("-") else f"{name}={value}"
-        if name == "out_dir":  # the run's own files stay local; its checkpoints may go to the bucket
-            raise UserError(
-                f"{given} is a URL ({match[1]}://); out_dir holds the run's logs and stays local: give a local "
-                f"out_dir and put the checkpoints on object storage with checkpoint.dir={value.rstrip('/')}/checkpoints"
-            )
-        raise UserError(
-            f"{given} is a URL ({match[1]}://); multicard reads and writes local paths only (a mounted "
-            f"filesystem works): copy the data or mount the bucket, and give its local path"
-        )

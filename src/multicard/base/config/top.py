@@ -13,16 +13,18 @@ from omegaconf import ListConfig
 from multicard.base.config.data import DataConfig, MixConfig, check_decode
 from multicard.base.config.observing import DebugConfig, LogConfig
 from multicard.base.config.parallel import CheckpointConfig, DDPConfig, FSDPConfig, NetConfig
-from multicard.base.config.rules import check_local_path, choice, finite, positive, within
+from multicard.base.config.rules import choice, finite, positive, within
 from multicard.base.config.training import EMAConfig, ModelConfig, OptimConfig, SchedConfig, TrainConfig
 from multicard.base.errors import UserError
-from multicard.base.storage import check_url, is_url
+from multicard.base.locations import check_location
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# Keys whose value may be a URL, read (and for checkpoint.dir written) through fsspec: base/storage.py.
+# Keys whose value may be a URL, read (and for checkpoint.dir written) through fsspec: base/store.py; and
+# data.root of a pack (data.name=shards). Every other path is local.
 URL_KEYS = ("checkpoint.dir", "train.resume", "model.weights")
+PATH_KEYS = ("out_dir", "data.root", "data.val_root", "data.cache_dir", *URL_KEYS)
 MAX_THREADS = 256  # per process; beyond this torch itself fails (and no node has that many cores per process)
 
 
@@ -78,18 +80,16 @@ class Config:
 
     def check_paths(self) -> None:
         """Every path of the config is local (check_local_path), but a pack's data.root and URL_KEYS: a
-        URL there is read through fsspec (multicard/base/storage.py)."""
-        resume = self.train.resume if self.train.resume not in ("auto", "never") else None
-        root_url = self.data.name == "shards" and is_url(self.data.root)
-        if root_url:
-            check_url(self.data.root, "data.root")
-        for name, value in zip(URL_KEYS, (self.checkpoint.dir, resume, self.model.weights), strict=True):
-            if is_url(value):
-                check_url(value, name)
-        root = None if root_url else self.data.root
-        for name, value in (("out_dir", self.out_dir), ("data.root", root), ("data.val_root", self.data.val_root),
-                            ("data.cache_dir", self.data.cache_dir)):  # fmt: skip
-            check_local_path(value, name)
+        URL there is read through fsspec (multicard/base/store.py)."""
+        for key in PATH_KEYS:
+            value = self.path(key)
+            check_location(value, key, key in URL_KEYS or (key == "data.root" and self.data.name == "shards"))
+
+    def path(self, key: str) -> str | None:
+        """The path or URL a key of PATH_KEYS holds (train.resume: None for auto and never)."""
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(self, section) if section else self, name)
+        return None if key == "train.resume" and value in ("auto", "never") else value
 
     def check_run(self, strategy: str, gpus: list[int], world_size: int, local_world_size: int,
                   training: bool) -> None:  # fmt: skip

@@ -1,5 +1,6 @@
 """The packed-shard format, in one place: what `multicard pack` writes (multicard/tools/pack.py) and
-the readers read (data/sources/shards.py from a folder, data/sources/remote_shards.py from a URL).
+publishes to a store (`upload_pack`), and what the reader (data/sources/shards.py) reads from one — a
+local folder or a URL's prefix alike (base/store.py).
 
 A pack is a folder (or a URL's prefix) of plain tar files in WebDataset's layout, `train-00000.tar`,
 `val-00000.tar`, … (members `<key>.<ext>` with each image's encoded bytes unchanged, then `<key>.cls`
@@ -25,6 +26,8 @@ import numpy as np
 
 from multicard.base.atomic import write_text_atomic
 from multicard.base.errors import UserError
+from multicard.base.storage import etag
+from multicard.base.store import Store
 from multicard.base.version import __version__
 
 FORMAT = "multicard-shards"
@@ -155,13 +158,19 @@ def padded(size: int) -> int:
 
 @dataclass
 class PackedSplit:
-    """One split of an index: its shard files and, per sample, where its bytes are."""
+    """One split of an index: its shards (in `store`) and, per sample, where its bytes are."""
 
-    shards: list[Path | str]  # files, or URLs of objects (data/sources/remote_shards.py)
+    store: Store  # where the shards are: a local folder or a URL's prefix
+    shards: list[str]  # each shard's location (a path or a URL: what messages name)
     shard_bytes: list[int]
+    shard_sha256: list[str | None]  # each shard's checksum, as pack wrote it
     columns: dict[str, np.ndarray]  # COLUMNS → int64 arrays, one entry per sample
     header: dict[str, list[str]]  # HEADER → one entry per sample
     samples_sha256: str | None = None  # of the samples' bytes, in order (pack.samples_digest); older packs: None
+
+    @property
+    def names(self) -> list[str]:
+        return [location.rsplit("/", 1)[-1] for location in self.shards]
 
     def __len__(self) -> int:
         return len(self.columns["label"])
@@ -169,34 +178,42 @@ class PackedSplit:
 
 @dataclass
 class Index:
-    path: Path | str
+    path: str
     classes: list[str]
     fingerprint: str  # of the source the pack was made from
     source: str  # what was packed, in words (the data.* settings)
     splits: dict[str, PackedSplit]
 
 
-def _bad_index(path: Path | str, why: str) -> UserError:
+def _bad_index(path: str, why: str) -> UserError:
     return UserError(
         f"index {path} {why}; pack the data again (multicard pack; multicard pack --verify DIR checks a pack)"
     )
 
 
-def read_index(directory: Path, what: str | None = None) -> Index:
-    """The index of a packed folder, its format, version and entries checked, or a one-line error
-    naming the file. `what`: how the folder was given (default `data.root=DIR`)."""
-    path = directory / INDEX
-    if not path.is_file():
-        raise _no_index(directory, what or f"data.root={directory}")
+def read_index(store: Store, what: str | None = None) -> tuple[Index, dict[str, Any], dict[str, Any]]:
+    """The index of the pack in a store's folder, its format, version and entries checked, with both splits
+    and every shard there with the size it gives (one listing); its JSON and the folder's listing. Else a
+    one-line error naming the file. `what`: how the folder was given (default `data.root=DIR`)."""
+    what = what or f"data.root={store.url}"
+    listing = store.listing()
+    if INDEX not in listing:
+        raise _no_index(store, listing, what)
+    path = store.join(INDEX)
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        raw = json.loads(store.read(INDEX))
+    except ValueError as exc:
         raise _bad_index(path, f"cannot be read ({type(exc).__name__})") from None
-    return parse_index(raw, path, lambda name: directory / name)
+    index = parse_index(raw, path, store)
+    check_splits(index)
+    sizes = {store.join(name): int(entry["size"]) for name, entry in listing.items()}
+    for split in index.splits.values():
+        check_shards(split, sizes.get)
+    return index, raw, listing
 
 
-def parse_index(raw: Any, path: Path | str, shard: Callable[[str], Path | str]) -> Index:
-    """An index's contents (`raw`: its JSON, read from `path`), checked; `shard`: a shard's name → its place."""
+def parse_index(raw: Any, path: str, store: Store) -> Index:
+    """An index's contents (`raw`: its JSON, read from `path`), checked; its shards are in `store`."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise _bad_index(path, f"is not a {FORMAT} index")
     if raw.get("version") != VERSION:
@@ -206,7 +223,7 @@ def parse_index(raw: Any, path: Path | str, shard: Callable[[str], Path | str]) 
         )
     try:
         classes = [str(c) for c in raw["classes"]]
-        splits = {str(name): _packed_split(shard, part) for name, part in raw["splits"].items()}
+        splits = {str(name): _packed_split(store, part) for name, part in raw["splits"].items()}
         index = Index(path, classes, str(raw["fingerprint"]), str(raw["source"]), splits)
     except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as exc:
         raise _bad_index(path, f"is damaged (bad entry {exc})") from None
@@ -215,33 +232,39 @@ def parse_index(raw: Any, path: Path | str, shard: Callable[[str], Path | str]) 
     return index
 
 
-def _no_index(directory: Path, what: str) -> UserError:
+def _no_index(store: Store, listing: dict[str, Any], what: str) -> UserError:
     """Why a folder without an index is no pack, and what to do: `multicard pack --out` it only where
     pack would write (a new or empty folder)."""
-    if directory.is_dir() and (directory / PARTIAL).is_dir():
-        return UserError(f"{directory} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
-    where = next(folder for folder in (directory, *directory.parents) if folder.exists())
-    if not where.is_dir():
+    if PARTIAL in listing:
+        return UserError(f"{store.url} holds an unfinished pack (no {INDEX}); rerun multicard pack to finish it")
+    if any(SHARD_NAME.match(name) for name in listing):
         return UserError(
-            f"{what}: {where} is a file, not a folder multicard pack wrote (one with {INDEX} and the shards); "
+            f"{what} holds an unfinished pack (shards, but no {INDEX} yet: it is uploaded last); run the "
+            f"multicard pack --out {store.url} that wrote it again to finish it"
+        )
+    in_the_way = store.in_the_way()
+    if in_the_way:
+        return UserError(
+            f"{what}: {in_the_way} is a file, not a folder multicard pack wrote (one with {INDEX} and the shards); "
             f"give such a folder"
         )
-    if where == directory and any(directory.iterdir()):
+    if listing:
         return UserError(
             f"{what} has no {INDEX}: it is not a folder multicard pack wrote; pack the dataset into a new folder "
             f"(multicard pack --out NEW_DIR) and give that one"
         )
-    return UserError(f"{what} has no {INDEX}; make it with multicard pack --out {directory}")
+    return UserError(f"{what} has no {INDEX}; make it with multicard pack --out {store.url}")
 
 
-def _packed_split(shard: Callable[[str], Path | str], part: dict[str, Any]) -> PackedSplit:
-    shards = [shard(str(s["name"])) for s in part["shards"]]
+def _packed_split(store: Store, part: dict[str, Any]) -> PackedSplit:
+    shards = [store.join(str(s["name"])) for s in part["shards"]]
     columns = {c: np.asarray(part[c], dtype=np.int64) for c in COLUMNS}
     header = {c: [str(v) for v in part[c]] for c in HEADER}
     if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
         raise ValueError("columns of different lengths")
     digest = part.get("samples_sha256")
-    return PackedSplit(shards, [int(s["bytes"]) for s in part["shards"]], columns, header, digest and str(digest))
+    sizes, sums = [int(s["bytes"]) for s in part["shards"]], [s.get("sha256") for s in part["shards"]]
+    return PackedSplit(store, shards, sizes, sums, columns, header, digest and str(digest))
 
 
 def _check_entries(index: Index, name: str, split: PackedSplit) -> None:
@@ -275,16 +298,9 @@ def check_splits(index: Index) -> None:
             raise _bad_index(index.path, f"has no {name} split")
 
 
-def _file_size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-def check_shards(split: PackedSplit, size_of: Callable[[Any], int | None] = _file_size) -> None:
-    """Every shard is there with the size the index gives (one stat each: cheap at start-up).
-    `size_of`: a shard's size, None where it is missing."""
+def check_shards(split: PackedSplit, size_of: Callable[[str], int | None]) -> None:
+    """Every shard is there with the size the index gives (from one listing: cheap at start-up).
+    `size_of`: a shard's size by its location, None where it is missing."""
     for path, expected in zip(split.shards, split.shard_bytes, strict=True):
         size = size_of(path)
         if size is None:
@@ -294,3 +310,69 @@ def check_shards(split: PackedSplit, size_of: Callable[[Any], int | None] = _fil
                 f"shard {path} has {size} bytes where the index says {expected}: it is truncated or was changed; "
                 f"restore it or pack the data again (multicard pack --verify DIR checks a pack)"
             )
+
+
+# ---------------------------------------------------------------- publishing a pack made in a local folder
+
+
+def check_pack_target(store: Store, listing: dict[str, Any] | None = None) -> None:
+    """pack writes only where there is nothing, or a pack (whole or not): never over another's files."""
+    listing = store.listing() if listing is None else listing
+    if INDEX in listing or PARTIAL in listing:
+        return
+    foreign = sorted(name for name in listing if not SHARD_NAME.match(name) and not name.endswith(".tmp"))
+    if foreign:
+        raise UserError(
+            f"--out {store.url} holds {store.items} that are no pack's ({', '.join(foreign[:3])}"
+            f"{', …' if len(foreign) > 3 else ''}); choose a new or empty {store.noun}"
+        )
+
+
+def stored_index(store: Store) -> dict[str, Any] | None:
+    """The index of the pack in the store's folder; None where there is none (or none readable: a pack
+    replaces it)."""
+    if INDEX not in store.listing():
+        return None
+    try:
+        index = json.loads(store.read(INDEX))
+    except ValueError:
+        return None
+    return index if isinstance(index, dict) else None
+
+
+def upload_pack(folder: Path, store: Store, say: Callable[[str], None]) -> list[str]:
+    """Publish the finished pack in the local `folder` to the store: its shards, then its index last (the
+    index is the commit: readers take nothing without it). Shards the store holds already whole (their
+    size, and their MD5 where the store's version of an object is one) are not written again, nor an index
+    that is there already (a pack made in place); an index of another pack there is removed first, and
+    shards no longer named after. The names written, in order (the index last; none: nothing to write)."""
+    listing = store.listing()
+    check_pack_target(store, listing)
+    index_bytes = (folder / INDEX).read_bytes()
+    entries = [shard for split in json.loads(index_bytes)["splits"].values() for shard in split["shards"]]
+    if INDEX in listing:
+        if store.read(INDEX) == index_bytes:
+            return []
+        say(f"multicard pack: replacing the pack in {store.url}: it was made from another source or other options")
+        store.remove(INDEX)  # first: from here on the folder no longer holds a pack
+    named = {shard["name"] for shard in entries}
+    for stale in sorted(name for name in listing if SHARD_NAME.match(name) and name not in named):
+        store.remove(stale)
+    todo = [shard for shard in entries if not _uploaded(listing.get(shard["name"]), folder / shard["name"], shard)]
+    for shard in todo:
+        upload_object(store, folder / shard["name"], shard["name"])
+    upload_object(store, folder / INDEX, INDEX)
+    return [shard["name"] for shard in todo] + [INDEX]
+
+
+def _uploaded(listed: dict[str, Any] | None, local: Path, shard: dict[str, Any]) -> bool:
+    """Whether the object listed is the shard: its size, and its MD5 where the ETag is one (a single-part upload)."""
+    if listed is None or int(listed.get("size", -1)) != int(shard["bytes"]):
+        return False
+    version = etag(listed)
+    return not MD5.match(version) or version == file_digest(local, "md5")
+
+
+def upload_object(store: Store, local: Path, name: str) -> None:
+    """One file written whole to the store (object stores make an object visible only once complete)."""
+    store.put(name, local)

@@ -1,54 +1,88 @@
-"""Packed shards: `data.name=shards data.root=DIR`, a folder that `multicard pack` wrote (multicard/tools/pack.py).
+"""Packed shards: `data.name=shards data.root=DIR`, a folder (or a URL's prefix: any fsspec URL,
+base/store.py) that `multicard pack` wrote (multicard/tools/pack.py), or such a folder uploaded as it is.
 
 DIR holds plain tar files and one index, `index.json` (the format: data/sources/shard_format.py), that
 says for every sample which shard holds it, where its bytes start and how long they are, its label and
-its size (width, height: what a crop plan needs without opening the image). Samples are read by index,
-one `pread` each, and handed to the loaders as a dataset function's items are (encoded bytes,
-label: data/sources/user.py), so decoding, augmentation and every guarantee of image folders are the
-same: training from shards ends with the parameters training from the packed folder ends with.
+its size (width, height: what a crop plan needs without opening the image). The index is read whole and
+the shards' sizes checked against it with one listing; a folder without it holds no pack (the index is
+written last), and one whose shards it lists are not all there whole is refused. Samples are read by
+index and handed to the loaders as a dataset function's items are (encoded bytes, label:
+data/sources/user.py), so decoding, augmentation and every guarantee of image folders are the same:
+training from shards ends with the parameters training from the packed folder ends with, from local disk
+or from a bucket.
 
-On storage where each read is a round trip (NFS, Lustre, sshfs), a loader process keeps
-`data.reads_in_flight` reads of its batch going at once, neighbours in one read (`prefetch`); the
-batch's contents and order do not change. `data.order=local` (opt-in) orders an epoch so that a
-batch holds runs of neighbours (`local_order`).
+Reads: on local disk one `pread` each; on object storage, where each read is a request (~4 ms of the
+reading process's CPU: signing, HTTP; docs/benchmarks.md) and a globally shuffled batch holds no
+neighbours, a split of at most WHOLE_SPLIT_BYTES (CIFAR-10's 45,000 training images: 116 MB) is read in
+whole shards, each once per loader process and kept in its memory, a larger one by ranged requests; a
+local cache of whole shards (`data.remote_cache_gb`, shard_cache.py) serves later readers. Either way a
+loader process keeps `data.reads_in_flight` reads of its batch going at once, neighbours in one read
+(`prefetch`); the batch's contents and order do not change. `data.order=local` (opt-in) orders an epoch
+so that a batch holds runs of neighbours (`local_order`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from multicard.base.errors import UserError
+from multicard.base.storage import etag
+from multicard.base.store import Store
 from multicard.data.sources.encoded import EncodedImage
 from multicard.data.sources.folders import Items, Splits
+from multicard.data.sources.shard_cache import ShardCache, shard_key
 from multicard.data.sources.shard_format import INDEX as INDEX  # re-exported: where the readers' users look
 from multicard.data.sources.shard_format import PARTIAL as PARTIAL
-from multicard.data.sources.shard_format import Index, PackedSplit, check_shards, check_splits, read_index
+from multicard.data.sources.shard_format import Index, PackedSplit, read_index
 
 # data.order=local: runs of RUN samples stored next to each other, in a shuffled order, shuffled
 # within windows of WINDOW runs (a batch of 256 then reads about 16 runs, each in one read).
 RUN, WINDOW = 64, 16
 MERGE_GAP = 64 << 10  # reads of a batch whose bytes lie at most this far apart become one read
+WHOLE_SPLIT_BYTES = 256 << 20  # a split up to this size on object storage is read in whole shards, kept
+PIECE_BYTES = 8 << 20  # a whole shard is read in requests of at most this size, reads_in_flight at once
+Source = Callable[[int, int], bytes]  # read(start, length) of one shard
+
+
+class Kept:
+    """A shard's bytes, read whole and kept in this process's memory."""
+
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data, self.what = data, what
+
+    def __call__(self, start: int, length: int) -> bytes:
+        return self.data[start : start + length]
 
 
 class ShardSamples:
-    """A packed split as a map-style dataset: item i → (the image's encoded bytes as an EncodedImage, its label)."""
+    """A packed split as a map-style dataset: item i → (the image's encoded bytes as an EncodedImage, its
+    label). Its shards are read from the split's store; where each read is a round trip, whole (a split of
+    at most WHOLE_SPLIT_BYTES) or through a local `cache` of whole shards (`keys`: each shard's name
+    there) that can hold the split, else by ranged requests."""
 
-    def __init__(self, split: PackedSplit, reads_in_flight: int = 1) -> None:
-        self.split = split
+    def __init__(self, split: PackedSplit, reads_in_flight: int = 1, cache: ShardCache | None = None,
+                 keys: list[str] | None = None) -> None:  # fmt: skip
+        self.split, self.store, self.names = split, split.store, split.names
         self.shard_of = split.columns["shard"]
         self.offset = split.columns["offset"]
         self.length = split.columns["length"]
         self.labels = split.columns["label"]
         self.width, self.height = split.columns["width"], split.columns["height"]
         self.reads_in_flight = reads_in_flight
+        total = sum(split.shard_bytes)
+        self.whole = self.store.round_trips and total <= WHOLE_SPLIT_BYTES
+        # a split larger than the cache would evict each shard before its next read: a shard per sample
+        fits = cache is not None and total <= cache.max_bytes
+        self.cache = cache if self.store.round_trips and (self.whole or fits) else None
+        self.keys = keys or []
         self._pid = -1  # files and threads belong to one process: a forked loader process opens its own
 
     def __len__(self) -> int:
@@ -57,19 +91,68 @@ class ShardSamples:
     def _own(self) -> None:
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._fds: dict[int, int] = {}
+            self._sources: dict[int, Source] = {}  # shard → how this process reads it
             self._pool: ThreadPoolExecutor | None = None
             self._ready: dict[int, bytes] = {}
 
     def _open(self, shards: set[int]) -> None:
-        for shard in shards:
-            self._fd(shard)
+        """How this process reads each of these shards not opened yet: from the cache or whole where those
+        apply (downloaded now, several at once), else by the store's positional reads."""
+        missing = sorted(shard for shard in shards if shard not in self._sources)
+        if (self.whole or self.cache is not None) and missing:
+            self.store.fs()  # the session, opened before the pool's threads share it
+            for shard in missing:
+                cached = self._cached(shard)
+                if cached is not None:
+                    self._sources[shard] = cached
+            for shard, data in self._download([s for s in missing if s not in self._sources]).items():
+                kept = self._keep(shard, data)
+                if kept is not None:
+                    self._sources[shard] = kept
+        for shard in missing:
+            if shard not in self._sources:
+                self._sources[shard] = self.store.reader(self.names[shard])
 
-    def _fd(self, shard: int) -> int:
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self.split.shards[shard], os.O_RDONLY)
-        return fd
+    def _cached(self, shard: int) -> Source | None:
+        """The shard from the cache, its bytes checked; None where the cache does not hold it."""
+        if self.cache is None:
+            return None
+        key, size, what = self.keys[shard], self.split.shard_bytes[shard], self.split.shards[shard]
+        if not self.whole:
+            return self.cache.open(key, size, self.split.shard_sha256[shard], what)
+        data = self.cache.read(key, size, self.split.shard_sha256[shard], what)
+        return Kept(data, str(self.cache.path(key))) if data is not None else None
+
+    def _keep(self, shard: int, data: bytes) -> Source | None:
+        """A shard downloaded whole: stored in the cache, and read from memory (a whole split) or from the
+        cached file; None where neither holds it (the cache could not store it: ranged requests)."""
+        if self.cache is not None:
+            self.cache.put(self.keys[shard], data)
+        if self.whole:
+            return Kept(data, self.split.shards[shard])
+        return self.cache.open(self.keys[shard], len(data), None, self.split.shards[shard])
+
+    def _download(self, shards: list[int]) -> dict[int, bytes]:
+        """These shards read whole, in requests of PIECE_BYTES, `reads_in_flight` at once; each checked
+        against the index's checksum."""
+        sizes = self.split.shard_bytes
+        pieces = [(shard, start, min(start + PIECE_BYTES, sizes[shard]))
+                  for shard in shards for start in range(0, sizes[shard], PIECE_BYTES)]  # fmt: skip
+        if not pieces:
+            return {}
+        with ThreadPoolExecutor(max(1, self.reads_in_flight), thread_name_prefix="multicard-shard-read") as pool:
+            data = list(pool.map(lambda piece: self.store.read(self.names[piece[0]], *piece[1:]), pieces))
+        whole = {shard: b"".join(part for (s, *_), part in zip(pieces, data, strict=True) if s == shard)
+                 for shard in shards}  # fmt: skip
+        for shard, got in whole.items():
+            expected = self.split.shard_sha256[shard]
+            if expected is not None and hashlib.sha256(got).hexdigest() != expected:
+                raise UserError(
+                    f"shard {self.split.shards[shard]} does not hold what was packed (its checksum is not the one "
+                    f"the index gives); restore it or upload the pack again (multicard pack --verify "
+                    f"{self.store.url} checks it)"
+                )
+        return whole
 
     def read(self, i: int) -> bytes:
         """Sample i's encoded bytes: one positional read of its shard."""
@@ -116,7 +199,10 @@ class ShardSamples:
         shard, start = int(self.shard_of[first]), int(self.offset[first])
         length = int(self.offset[last]) + int(self.length[last]) - start
         try:
-            data = self._pread(shard, length, start)
+            if shard not in self._sources:
+                self._open({shard})  # a read outside prefetch (one sample at a time)
+            source = self._sources[shard]
+            data = source(start, length)
         except OSError as exc:
             raise UserError(
                 f"cannot read shard {self.split.shards[shard]} ({exc.strerror or type(exc).__name__}); restore it "
@@ -124,13 +210,10 @@ class ShardSamples:
             ) from None
         if len(data) != length:  # the index was checked against the shard's size at start-up
             raise UserError(
-                f"shard {self.split.shards[shard]} ends before sample {last}'s bytes: it was truncated while in use; "
-                f"restore it or pack the data again (multicard pack)"
+                f"shard {getattr(source, 'what', self.split.shards[shard])} ends before sample {last}'s bytes: it was "
+                f"truncated while in use; restore it or pack the data again (multicard pack)"
             )
         return data
-
-    def _pread(self, shard: int, length: int, start: int) -> bytes:
-        return os.pread(self._fd(shard), length, start)
 
     def sample_list(self, indices: np.ndarray) -> bytes:
         """What tells these samples apart, in order, whatever the pack's path or shard size
@@ -157,13 +240,19 @@ class ShardSamples:
         return EncodedImage(where, data, size, header["format"][i] or None, header["mode"][i]), int(self.labels[i])
 
 
-def shard_splits(directory: Path, reads_in_flight: int = 1) -> Splits:
-    """The training and validation splits of a packed folder (its index read and its shards checked)."""
-    index = read_index(directory)
-    check_splits(index)
-    for name in ("train", "val"):
-        check_shards(index.splits[name])
-    return packed_splits(index, partial(ShardSamples, reads_in_flight=reads_in_flight), f"data.root={directory}")
+def shard_splits(store: Store, reads_in_flight: int = 1, cache: ShardCache | None = None) -> Splits:
+    """The training and validation splits of the pack in a store's folder (its index read and its shards
+    checked), read through a local `cache` of whole shards where one is given and reads are requests."""
+    what = f"data.root={store.url}"
+    index, _, listing = read_index(store, what)
+    versions = {store.join(name): etag(entry) for name, entry in listing.items()}
+
+    def samples(split: PackedSplit) -> ShardSamples:
+        keys = [shard_key(location, size, versions.get(location, ""))
+                for location, size in zip(split.shards, split.shard_bytes, strict=True)]  # fmt: skip
+        return ShardSamples(split, reads_in_flight, cache, keys)
+
+    return packed_splits(index, samples, what)
 
 
 def packed_splits(index: Index, samples: Callable[[PackedSplit], ShardSamples], what: str) -> Splits:
