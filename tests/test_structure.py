@@ -331,3 +331,66 @@ def test_the_strategy_packages_lazy_names_are_its_public_names():
     assert set(strategy.__all__) == set(strategy._HOME)
     for name in strategy.__all__:
         assert getattr(strategy, name) is not None
+
+
+KIND_CALLS = ("is_url", "is_remote")  # what asks whether a location is a URL
+KIND_ATTRIBUTES = ("remote", "round_trips")  # what asks which kind a store is
+STORE_KINDS = ("LocalStore", "ObjectStore")
+
+
+class _KindQuestions(ast.NodeVisitor):
+    """Where a module asks whether storage is local or a URL: the innermost function (or class, or the
+    module) of each call of KIND_CALLS, read of KIND_ATTRIBUTES, or isinstance of a store class."""
+
+    def __init__(self) -> None:
+        self.scope: list[str] = []
+        self.places: set[str] = set()
+
+    def _enter(self, node: ast.AST) -> None:
+        self.scope.append(node.name)
+        self.generic_visit(node)
+        self.scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _enter
+
+    def visit_Call(self, node: ast.Call) -> None:
+        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        of = ast.walk(node.args[1]) if len(node.args) > 1 else ()
+        kinds = {getattr(n, "id", getattr(n, "attr", None)) for n in of}
+        if called in KIND_CALLS or (called == "isinstance" and kinds & set(STORE_KINDS)):
+            self.places.add(".".join(self.scope) or "<module>")
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr in KIND_ATTRIBUTES and isinstance(node.ctx, ast.Load):
+            self.places.add(".".join(self.scope) or "<module>")
+        self.generic_visit(node)
+
+
+def kind_questions(source: str) -> set[str]:
+    finder = _KindQuestions()
+    finder.visit(ast.parse(source))
+    return finder.places
+
+
+def test_at_most_3_places_branch_on_local_vs_url_storage():
+    """Issue 43: storage is one interface (base/store.py), local paths and URLs behind the same methods, so
+    at most 3 places ask which kind a location or store is: the parser of locations, the store's factory,
+    and the packed shards' reader (whole shards where each read is a round trip). The checkpointer, the pack
+    tool and the config hold no twin of local and remote code."""
+    places = sorted(f"{name}.{place}" for name, path in modules().items() if name.startswith("multicard.")
+                    for place in kind_questions(path.read_text(encoding="utf-8")))  # fmt: skip
+    assert len(places) <= 3, "places that branch on local vs URL storage:\n" + "\n".join(places)
+    assert places == ["multicard.base.locations.check_location", "multicard.base.store.open_store",
+                      "multicard.data.sources.shards.ShardSamples.__init__"], places  # fmt: skip
+
+
+def test_the_storage_branch_check_sees_each_way_of_asking():
+    made_up = (
+        "def a(p):\n    return is_url(p)\n"
+        "class B:\n    def c(self):\n        return self.remote\n"
+        "def d(s):\n    def e():\n        return isinstance(s, (LocalStore, int))\n    return e\n"
+        "x = store.round_trips\n"
+        "class F:\n    round_trips = True\n"
+    )
+    assert kind_questions(made_up) == {"a", "B.c", "d.e", "<module>"}
