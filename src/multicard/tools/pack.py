@@ -1,5 +1,5 @@
 """`multicard pack`: any dataset multicard reads, packed into shards for shared storage (the format:
-data/sources/shard_format.py; its readers: data/sources/shards.py, remote_shards.py).
+data/sources/shard_format.py; its reader: data/sources/shards.py).
 
     multicard pack --out /shared/cifar10-shards data.name=imagefolder data.root=/data/cifar10
     multicard pack --verify /shared/cifar10-shards

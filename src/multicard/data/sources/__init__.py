@@ -1,3 +1,3 @@
 """Where samples come from: image folders (folders.py), packed shards on disk or object storage
-(shards.py, remote_shards.py), dataset functions (user.py), Hugging Face datasets (hf.py), synthetic
-data; encoded images not yet decoded; the check that every rank reads the same."""
+(shards.py: a local folder or a URL, base/store.py), dataset functions (user.py), Hugging Face datasets
+(hf.py), synthetic data; encoded images not yet decoded; the check that every rank reads the same."""
