@@ -222,7 +222,7 @@ def test_35_11_pack_out_a_url_of_an_unknown_scheme_a_missing_bucket_or_other_obj
     with pytest.raises(UserError) as refused:
         pack_to(f"s3://{BUCKET}/other")
     assert str(refused.value) == (
-        f"--out s3://{BUCKET}/other holds objects that are no pack's (notes.txt); choose a new or empty prefix"
+        f"--out s3://{BUCKET}/other holds files that are no pack's (notes.txt); choose a new or empty folder"
     )
     assert objects(s3, f"s3://{BUCKET}/other") == {"notes.txt": b"not a pack"}
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing staged, no folder named after a scheme

@@ -72,7 +72,6 @@ class Store:
 
     round_trips = False  # each read a request over the network
     uncommitted_note = ""  # why a leftover is no checkpoint, as a line says it
-    noun, items = "folder", "files"  # what a line calls the folder and what it holds
 
     def __init__(self, url: str, retries: int = RETRIES) -> None:
         self.url, self.retries = url, retries
@@ -451,7 +450,6 @@ class ObjectStore(Store):
 
     round_trips = True
     uncommitted_note = "it has no commit object"
-    noun, items = "prefix", "objects"
 
     def __init__(self, url: str, retries: int = RETRIES) -> None:
         super().__init__(url.rstrip("/") if url.split("://", 1)[1].strip("/") else url, retries)

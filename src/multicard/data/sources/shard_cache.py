@@ -43,7 +43,7 @@ def touch(path: Path) -> None:
 
 
 def warn(line: str) -> None:
-    print(f"multicard: warning: {line}", file=sys.stderr, flush=True)
+    print(f"multicard: {line}", file=sys.stderr, flush=True)
 
 
 class CachedFile:
@@ -109,8 +109,8 @@ class ShardCache:
     def _changed(self, path: Path, what: str) -> None:
         """A cached file whose bytes are not what was packed: said (the cache file is to blame, not the
         shard it caches), and removed."""
-        self.say(f"cached shard {path} (of {what}) was changed on disk: its checksum is not the one the pack's "
-                 f"index gives; removed, and {what} read again")  # fmt: skip
+        self.say(f"warning: cached shard {path} (of {what}) was changed on disk: its checksum is not the one the "
+                 f"pack's index gives; removed, and {what} read again")  # fmt: skip
         path.unlink(missing_ok=True)
 
     def put(self, key: str, data: bytes) -> None:

@@ -323,8 +323,8 @@ def check_pack_target(store: Store, listing: dict[str, Any] | None = None) -> No
     foreign = sorted(name for name in listing if not SHARD_NAME.match(name) and not name.endswith(".tmp"))
     if foreign:
         raise UserError(
-            f"--out {store.url} holds {store.items} that are no pack's ({', '.join(foreign[:3])}"
-            f"{', …' if len(foreign) > 3 else ''}); choose a new or empty {store.noun}"
+            f"--out {store.url} holds files that are no pack's ({', '.join(foreign[:3])}"
+            f"{', …' if len(foreign) > 3 else ''}); choose a new or empty folder"
         )
 
 
