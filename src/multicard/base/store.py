@@ -83,12 +83,6 @@ class Store:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.url == self.url
-
-    def __hash__(self) -> int:
-        return hash(self.url)
-
     # ------------------------------------------------------------ where
 
     def join(self, name: str) -> str:
@@ -122,15 +116,6 @@ class Store:
         """`name` as a binary file to read through."""
         return io.BytesIO(self.read(name))
 
-    def child(self, name: str) -> Store:
-        """The folder `name` in this one, sharing this process's session."""
-        child = type(self).__new__(type(self))
-        child.__dict__.update(self.__dict__)
-        child.url = self.join(name)
-        if self._pid == os.getpid():
-            child._root = self.path(name)
-        return child
-
     def fs(self) -> tuple[Any, str]:
         """This process's filesystem, and this folder's path in it."""
         if self._pid != os.getpid():
@@ -150,9 +135,9 @@ class Store:
 
     # ------------------------------------------------------------ objects
 
-    def listing(self, missing_ok: bool = True) -> dict[str, dict[str, Any]]:
-        """name → entry (size, type, …) of everything directly in the folder, in one request; a folder
-        not there yet holds nothing (`missing_ok`), else it is one line."""
+    def listing(self) -> dict[str, dict[str, Any]]:
+        """name → entry (size, type, …) of everything directly in the folder, in one request: a folder not
+        there yet holds nothing (a missing bucket is one line)."""
         raise NotImplementedError
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -267,13 +252,11 @@ class LocalStore(Store):
         except OSError as exc:
             raise UserError(f"cannot {action} {what} ({exc.strerror or type(exc).__name__}); check the path") from None
 
-    def listing(self, missing_ok: bool = True) -> dict[str, dict[str, Any]]:
+    def listing(self) -> dict[str, dict[str, Any]]:
         try:
             entries = list(os.scandir(self.url))
         except (FileNotFoundError, NotADirectoryError):
-            if missing_ok:
-                return {}
-            raise UserError(f"{self.url} does not exist; check the path") from None
+            return {}
         found = {}
         for entry in entries:
             try:
@@ -480,7 +463,7 @@ class ObjectStore(Store):
             SESSIONS[key] = fs
         return SESSIONS[key], cls._strip_protocol(self.url).rstrip("/")
 
-    def listing(self, missing_ok: bool = True) -> dict[str, dict[str, Any]]:
+    def listing(self) -> dict[str, dict[str, Any]]:
         fs, path = self.fs()
 
         def ls() -> list[dict[str, Any]]:
@@ -489,7 +472,7 @@ class ObjectStore(Store):
                 return fs.ls(path, detail=True)
             except FileNotFoundError:
                 bucket = path.split("/", 1)[0]
-                if missing_ok and bucket != path and fs.exists(bucket):
+                if bucket != path and fs.exists(bucket):
                     return []  # a new prefix of a bucket that is there
                 raise
 
