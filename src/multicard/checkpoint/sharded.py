@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from multicard.base.errors import UserError
+from multicard.base.storage import first_line
 from multicard.base.store import Store
 from multicard.runtime.process_group import ProcessContext
 
@@ -119,7 +120,7 @@ class Sharded:
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 dcp.load(tensors, checkpoint_id=path, no_dist=template is None)
         except (dcp.CheckpointException, RuntimeError, KeyError) as exc:
-            raise UserError(f"checkpoint {path} cannot be loaded into this run ({_first_line(exc)})") from None
+            raise UserError(f"checkpoint {path} cannot be loaded into this run ({first_line(exc)})") from None
         return {**meta, **tensors}
 
     # ------------------------------------------------------------
@@ -219,8 +220,3 @@ def _unwritable(store: Store, name: str, ctx: ProcessContext) -> Iterator[None]:
             ctx.barrier()  # removed before any rank ends (a launcher stops the others when one ends)
         error.every_rank = every_rank  # then rank 0 alone says it (exits.report_error)
         raise error from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

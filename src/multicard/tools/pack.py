@@ -476,8 +476,6 @@ def run_pack(config: str | None, overrides: list[str], out: str | None, verify: 
     store.retries = cfg.data.read_retries
     check_apart(store, cfg.data)
     store.check_writable("--out")  # a file in its path, or a folder that cannot be written
-    if store.in_the_way():
-        raise UserError(f"--out {store.url} is a file; give a folder (the pack is written inside it)")
     shard_format.check_pack_target(store)  # before reading the dataset
     return pack_into(cfg.data, read_splits(cfg.data, cfg.seed), store, shard_mb, workers)
 
