@@ -24,6 +24,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# The installed `multicard` command, beside this interpreter: what users run (pyproject's console script).
+MULTICARD = str(Path(sys.executable).with_name("multicard"))
 
 # Tiny runs: 16×16 images, a few hundred steps at most; enough to exercise every path.
 TINY = [
@@ -92,10 +94,8 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m multicard ARGS` in a fresh process; capture its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "multicard", *args], capture_output=True, text=True, timeout=timeout, env=clean_env(env)
-    )
+    """Run the installed `multicard ARGS` in a fresh process; capture its output."""
+    return subprocess.run([MULTICARD, *args], capture_output=True, text=True, timeout=timeout, env=clean_env(env))
 
 
 def run_here(*args: str, env: dict[str, str] | None = None) -> str:
@@ -130,9 +130,9 @@ def run_here(*args: str, env: dict[str, str] | None = None) -> str:
 
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """Start `python -m multicard ARGS` in a session of its own (for signals); do not wait."""
+    """Start the installed `multicard ARGS` in a session of its own (for signals); do not wait."""
     return subprocess.Popen(
-        [sys.executable, "-m", "multicard", *args],
+        [MULTICARD, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(env), start_new_session=True,
     )  # fmt: skip
 
@@ -183,7 +183,7 @@ def train_on_two_nodes(*args: str, env: dict | None = None) -> list[tuple[str, s
         port = s.getsockname()[1]
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "multicard", "train", "--nnodes", "2", "--node-rank", str(rank),
+            [MULTICARD, "train", "--nnodes", "2", "--node-rank", str(rank),
              "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(env),
         )

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from conftest import (
+    MULTICARD,
     ROOT,
     assert_bitwise_equal,
     clean_env,
@@ -49,9 +50,9 @@ SEED_TINY = ["--data", str(CIFAR), "--limit", "32", "--val", "16", "--batch-size
 
 def script(path: Path, *args: str, launch: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
     """`multicard run [launch flags] SCRIPT ARGS` (or `python SCRIPT ARGS` without flags), started."""
-    program = ["-m", "multicard", "run", *launch, str(path)] if launch else [str(path)]
+    program = [MULTICARD, "run", *launch, str(path)] if launch else [sys.executable, str(path)]
     return subprocess.Popen(
-        [sys.executable, *program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_env(env), start_new_session=True,
     )  # fmt: skip
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, assert_bitwise_equal, clean_env, cli, final_params, run_here
+from conftest import MULTICARD, TINY, assert_bitwise_equal, clean_env, cli, final_params, run_here
 
 pytestmark = pytest.mark.distributed
 
@@ -148,9 +148,9 @@ def one_host_reference(tmp_path_factory):
 
 
 def python_argv(argv: list[str]) -> list[str]:
-    """Run `multicard ...` / `torchrun ...` with this interpreter, as installed commands would."""
+    """Run `multicard ...` (the installed command) / `torchrun ...` (with this interpreter)."""
     if argv[0] == "multicard":
-        return [sys.executable, "-m", "multicard", *argv[1:]]
+        return [MULTICARD, *argv[1:]]
     assert argv[0] == "torchrun"
     return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import clean_env
+from conftest import MULTICARD, clean_env
 from multicard.base.config import load_config, with_overrides
 from multicard.base.errors import UserError
 from multicard.cli.main import main as cli_main
@@ -43,7 +43,7 @@ SMALL = ["model.name=smallcnn", "data.image_size=32", "data.train_size=256", "da
 
 def plan_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`multicard plan ARGS` in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "multicard", "plan", *args], capture_output=True, text=True,
+    return subprocess.run([MULTICARD, "plan", *args], capture_output=True, text=True,
                           timeout=timeout, env=clean_env())  # fmt: skip
 
 
@@ -359,7 +359,7 @@ def test_the_largest_batch_trains_under_the_cap_and_a_quarter_more_is_killed(tmp
     for batch in (largest, int(largest * 1.25)):
         run = [f"train.global_batch_size={batch}", f"out_dir={tmp_path / str(batch)}"]
         with cgroup_cap.MemoryCap(int(cap_gb * 1e9)) as cap:
-            codes[batch] = (cap.run([sys.executable, "-m", "multicard", "train", *base, *run], timeout=900,
+            codes[batch] = (cap.run([MULTICARD, "train", *base, *run], timeout=900,
                                     env=clean_env()).returncode, cap.oom_kills)  # fmt: skip
     assert codes[largest] == (0, 0), codes
     assert codes[int(largest * 1.25)][0] != 0 and codes[int(largest * 1.25)][1] >= 1, codes

@@ -40,7 +40,7 @@ from multicard.base.locations import canonical, check_location
 from multicard.base.version import __version__
 from multicard.run.preflight import check_output_folder, preflight
 from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
-from multicard.runtime.exits import die_with_launcher, end_process, report_error
+from multicard.runtime.exits import die_with_launcher, end_process, report_error, run_to_the_end
 from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.runtime.process_group import resolve_gpus
 from multicard.runtime.stopping import BeforeTraining
@@ -381,7 +381,12 @@ def _run(args: argparse.Namespace) -> int:
     import runpy
 
     script = Path(args.script)
-    if not script.is_file():
+    if script.is_dir() and not (script / "__main__.py").is_file():  # with one, python runs a folder
+        raise UserError(
+            f"script {args.script} is a folder (without a __main__.py); give the path of a Python file "
+            f"(multicard run my_train.py)"
+        )
+    if not (script.is_file() or script.is_dir()):
         raise UserError(f"script {args.script} not found; give the path of a Python file (multicard run my_train.py)")
     env = detect_env()
     options = _launch_options(args, env)
@@ -421,7 +426,15 @@ def _check_local_paths(args: argparse.Namespace) -> None:
             check_location(run_dir, "RUN_DIR", urls=False)
 
 
+def entry() -> NoReturn:
+    """The `multicard` program: the installed command (pyproject's console script) and `python -m
+    multicard` both run this, the command line in a process that then ends as exits.run_to_the_end
+    says (nothing the user's code left running keeps it alive or outlives it)."""
+    run_to_the_end(main)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: this process's) in this process; its exit code."""
     args = parse(sys.argv[1:] if argv is None else argv)
     die_with_launcher(detect_env())
     try:

@@ -16,6 +16,7 @@ from multicard.base.errors import UserError
 
 SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id above this base
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
+LAUNCHER_STOP_S = "MULTICARD_LAUNCHER_STOP_S"  # the seconds it gives them to stop (its stop timeout)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ProcessEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     launcher_pid: int | None = None  # multicard's own launcher started this worker
+    stop_timeout_s: float = 300.0  # how long that launcher gives this worker to stop (checkpoint.stop_timeout_s)
     restart: int = 0  # how many times torchrun's agent has restarted the workers (--max-restarts)
 
     @property
@@ -95,12 +97,18 @@ def _local_tasks(environ: Mapping[str, str], node: int) -> int:
     return 1
 
 
+def started_workers(environ: Mapping[str, str] = os.environ) -> bool:
+    """This process is multicard's launcher: it has started workers (launch.py)."""
+    return environ.get(LAUNCHER_PID) == str(os.getpid())
+
+
 def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
     """Read the topology from torchrun (RANK, ...) or srun (SLURM_*); else one plain process."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return ProcessEnv(
             source="torchrun",
             launcher_pid=_int(environ, LAUNCHER_PID) if LAUNCHER_PID in environ else None,
+            stop_timeout_s=float(environ.get(LAUNCHER_STOP_S, ProcessEnv.stop_timeout_s)),
             restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
             rank=_int(environ, "RANK"),
             local_rank=_int(environ, "LOCAL_RANK", default=0),

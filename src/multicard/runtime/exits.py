@@ -8,19 +8,23 @@ happened; anything else is a bug and keeps its traceback (exit 1).
 
 from __future__ import annotations
 
-import ctypes
+import atexit
+import gc
 import os
 import re
+import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch.distributed as dist
 
 from multicard.base.errors import ExitCode, MulticardError, Stopped
-from multicard.runtime.environment import ProcessEnv, detect_env
+from multicard.runtime.environment import ProcessEnv, detect_env, started_workers
+from multicard.runtime.process_tree import PR_SET_PDEATHSIG, adopt_orphans, end_descendants, prctl
 
 EVERY_RANK_WAIT_S = 20.0  # how long a rank leaves rank 0 to say an error every rank met (see report_error)
 
@@ -89,8 +93,33 @@ def communication_failed(code: ExitCode) -> None:
 # ---------------------------------------------------------------- how a process ends
 
 
-PR_SET_PDEATHSIG = 1  # prctl option: a signal for this process when its parent dies
-EXIT_GRACE_S = 2.0  # how long threads still running when a command is done may delay its process's end
+EXIT_GRACE_S = 2.0  # how long threads and processes still running when a command is done may delay its process's end
+
+
+def run_to_the_end(command: Callable[[], int]) -> NoReturn:
+    """Run `command` as the whole work of this process, then end the process with its exit code
+    (the `multicard` program, installed command and `python -m multicard` alike: cli.main.entry).
+    What the user's code left running does not keep the process alive (end_in_time) or outlive it
+    (leave_nothing_running); multicard's launcher skips the interpreter's teardown (end_process)."""
+    leave_nothing_running()
+    try:
+        code = command()
+    except SystemExit as exc:  # --help, a usage error, or a script's own sys.exit
+        end_in_time(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+        raise
+    except BaseException:  # a bug: its traceback is printed, then the process must end all the same
+        end_in_time(ExitCode.INTERNAL)
+        raise
+    if started_workers():
+        # This process was the launcher: its workers have ended and its files are closed. It skips
+        # the interpreter's and C++'s teardown, where the rendezvous store's thread can abort the
+        # process ("terminate called without an active exception", pytorch#128821).
+        end_process(code)
+    # Interpreter shutdown would walk every object torch's modules made (~0.7 s per process on
+    # our CPUs); frozen, they are left to the OS. Exit handlers and thread joins still run.
+    gc.freeze()
+    end_in_time(code)
+    raise SystemExit(code)
 
 
 def end_process(code: int) -> NoReturn:
@@ -99,10 +128,36 @@ def end_process(code: int) -> NoReturn:
     and for one whose work is done and written under fsdp, where torch's native teardown
     sometimes aborts at exit (SIGABRT, "terminate called without an active exception": a C++
     thread still joinable) — in about 1 of 5 `plan --measure` runs and once in a CI run of the
-    tests — and the launcher then reports a failed rank for a job that succeeded."""
+    tests — and the launcher then reports a failed rank for a job that succeeded. Processes the
+    user's code left running end first (end_leftovers)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    end_leftovers()
     os._exit(code)
+
+
+_leaving = threading.Lock()
+
+
+def leave_nothing_running() -> None:
+    """No process the user's code started outlives this one: those it left below this process end
+    when it ends (end_leftovers: an exit handler, registered once and early, so that it runs after
+    those registered later, a tracker's that ends its own helper; end_process calls it too), and a
+    process whose parent ends first comes to this one instead of init (the launcher thus ends
+    what a killed worker left)."""
+    if _leaving.acquire(blocking=False):
+        adopt_orphans()
+        atexit.register(end_leftovers)
+
+
+def end_leftovers() -> None:
+    """End the processes still running below this one, naming those the user's code started."""
+    left = end_descendants(EXIT_GRACE_S)
+    if left:
+        say_line(
+            f"multicard: warning: process(es) {', '.join(left)} still running when the command ended (started by "
+            f"the script's, dataset's or model's code, not multicard's); ended them"
+        )
 
 
 def end_in_time(code: int, grace_s: float = EXIT_GRACE_S) -> None:
@@ -131,21 +186,58 @@ def end_in_time(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     threading.Thread(target=watch, name="multicard-exit", daemon=True).start()
 
 
+_watching = threading.Lock()
+
+
 def die_with_launcher(env: ProcessEnv) -> None:
-    """A worker of multicard's launcher gets SIGTERM when the launcher dies, however it dies
-    (SIGKILL by the out-of-memory killer or a scheduler): it then stops like on any SIGTERM,
-    with a checkpoint if training, at once if still starting."""
-    if env.launcher_pid is not None:
-        die_with_parent(env.launcher_pid)
+    """A worker of multicard's launcher ends when the launcher dies, however it dies (SIGKILL by
+    the out-of-memory killer or a scheduler). It gets SIGTERM then and stops as on any SIGTERM,
+    with a checkpoint if training, at once if still starting; if it has not ended within the stop
+    time the launcher would have given it (its --stop-timeout or checkpoint.stop_timeout_s), or at
+    once where its code ignores SIGTERM, it ends without, and what it started with it."""
+    if env.launcher_pid is None:
+        return
+    die_with_parent(env.launcher_pid)
+    leave_nothing_running()
+    if _watching.acquire(blocking=False):  # once per process (a script's Run calls this again)
+        threading.Thread(target=_outlive, args=(env,), name="multicard-launcher-watch", daemon=True).start()
+
+
+def _outlive(env: ProcessEnv) -> None:
+    """The watch of die_with_launcher: from the launcher's death (the SIGTERM it brings), the stop
+    time, then the end."""
+    assert env.launcher_pid is not None
+    wait_for_exit(env.launcher_pid)
+    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    if not ignored:
+        time.sleep(env.stop_timeout_s)
+    how = "ignores SIGTERM" if ignored else f"did not stop within {env.stop_timeout_s:g} s of its SIGTERM"
+    say_line(
+        f"multicard: error (rank {env.rank}): the launcher (pid {env.launcher_pid}) has gone and this worker {how}; "
+        f"ending it without a checkpoint (the last one written stays)"
+    )
+    end_process(ExitCode.SIGTERM)
+
+
+def wait_for_exit(pid: int) -> None:
+    """Until process `pid` (this one's parent) has ended: asleep on a pidfd where the kernel has
+    them, else checking every half second."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # before Linux 5.3, or `pid` has gone already
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        return
+    try:
+        select.select([fd], [], [])  # readable once the process has ended
+    finally:
+        os.close(fd)
 
 
 def die_with_parent(parent_pid: int) -> None:
     """This process gets SIGTERM when its parent (`parent_pid`) dies, however it dies. Linux only;
     elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -29,7 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from multicard.base.config import CheckpointConfig
 from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
 from multicard.base.host_memory import available_memory
-from multicard.runtime.environment import LAUNCHER_PID
+from multicard.runtime.environment import LAUNCHER_PID, LAUNCHER_STOP_S
 from multicard.runtime.process_group import cpu_cores, wait_for_master
 from multicard.runtime.stopping import STOP_SIGNALS, hand_over, quit_line
 
@@ -201,12 +201,14 @@ def _describe(rank: int, code: int) -> str | None:
 
 
 def _workers() -> dict[int, int]:
-    """pid → global rank of this launcher's workers: its child processes (torch's agent starts
-    each in a process group of its own, with its data-loader processes)."""
+    """pid → global rank of this launcher's workers: its child processes that lead a session
+    (torch's agent starts each in a session of its own, with its data-loader processes; a process
+    that a worker started and left is this launcher's child too, in the worker's session)."""
     me, found = os.getpid(), {}
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else []
+            if stat and int(stat[1]) == me and stat[3] == entry.name:
                 ranks = [v for v in (entry / "environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")]
                 found.update({int(entry.name): int(ranks[0][5:])} if ranks else {})
         except OSError:
@@ -348,6 +350,7 @@ def launch_workers(
     only says which node hosts the rendezvous.
     """
     program = [script, *worker_argv] if script is not None else ["-m", module, *worker_argv]
+    os.environ[LAUNCHER_STOP_S] = f"{stop_timeout_s:g}"  # a worker whose launcher dies stops within it too
     relay = StopRelay(stop_timeout_s)
     try:
         with relay:  # from the start: a signal while waiting for node 0 or the rendezvous is answered too

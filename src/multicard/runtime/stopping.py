@@ -51,6 +51,29 @@ def quit_line(signum: int) -> str:
     return f"multicard: quit by {signal.Signals(signum).name} without a checkpoint; the last checkpoint written stays"
 
 
+class Handlers:
+    """Signal handlers a multicard object installs for this process alone; `_previous` holds
+    those they replaced. A process forked from this one (a user's helper, a data-loader process)
+    gets those back (_forget_in_child): there, ours would only record a stop nobody acts on, and a
+    plain `kill` would no longer end it."""
+
+    _previous: dict[int, Any]
+
+
+def _forget_in_child() -> None:
+    for sig in HANDLED_SIGNALS:
+        handler = signal.getsignal(sig)
+        replaced = False
+        while isinstance(owner := getattr(handler, "__self__", None), Handlers):
+            handler, replaced = owner._previous.get(sig, signal.SIG_DFL), True
+        if replaced:
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class StoppedBeforeTraining(Stopped):
     """A stop signal before training started (or after it ended): nothing was left to save."""
 
@@ -65,7 +88,7 @@ class StoppedBeforeTraining(Stopped):
         return f"stopped by {name} before training started; nothing to save"
 
 
-class BeforeTraining:
+class BeforeTraining(Handlers):
     """Stop signals that arrive before training takes them over (a GracefulStop, or the launcher's
     relay) end the command in one line, not silently by the signal's default action."""
 
@@ -95,7 +118,7 @@ def hand_over(previous: Any) -> None:
         guard.handed_over = True
 
 
-class GracefulStop:
+class GracefulStop(Handlers):
     def __init__(
         self, agree_max: Callable[[int], Callable[[], int]], every: int = POLL_EVERY, announce: bool = True
     ) -> None:
