@@ -60,11 +60,15 @@ def test_processes_a_script_leaves_running_end_with_multicard_run(tmp_path, laun
     pids = tmp_path / "pids"
     pids.mkdir()
     proc = start("run", *launch, str(script(tmp_path, LEAVES_PROCESSES)), str(pids))
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert proc.wait(timeout=120) == 0
     left = {int(pid) for file in pids.iterdir() for pid in file.read_text().split()}
-    assert len(left) == 2 * (len(launch) or 1)
-    assert not alive(left)
+    try:
+        assert len(left) == 2 * (len(launch) or 1)
+        assert not alive(left)
+    finally:
+        for pid in alive(left):
+            os.kill(pid, signal.SIGKILL)
+    err = proc.stderr.read()  # once every process that held it has ended
     warnings = [line for line in err.splitlines() if "still running when the command ended" in line]
     assert warnings and all(line.startswith("multicard: warning: process(es) python") for line in warnings), err
     assert sum(line.count("(pid ") for line in warnings) == len(left)
