@@ -130,6 +130,26 @@ def test_37_5_past_1e9_parity_allows_the_rounding_one_process_makes_with_itself(
     assert compare_parameters(fault, ref, "ddp×2", 4, floor=0.5).status == "fail"  # capped at 1e-6
 
 
+@pytest.mark.parametrize(
+    "floor, rule",
+    [
+        (0.0, "differs from itself by 0.00e+00 at another thread count, so rounding does not explain more: "
+              "the tolerance stays 1e-09"),
+        (1e-12, "by 1.00e-12 at another thread count, so rounding does not explain more: the tolerance stays 1e-09"),
+        (1.4e-9, "by 1.40e-09 at another thread count (rounding decides comparisons in this model), so the "
+                 "tolerance is 100× that: 1.4e-07"),
+        (0.5, "by 5.00e-01 at another thread count (rounding decides comparisons in this model), so the "
+              "tolerance is 100× that, at most 1e-06: 1.0e-06"),
+    ],
+)  # fmt: skip
+def test_the_parity_tolerance_line_states_the_rule_it_applied(floor, rule):
+    """Before: a floor of 0 read "so the tolerance is 100× that: 1.0e-09"."""
+    ref = {"w": torch.ones(4, dtype=torch.float64)}
+    off = {"w": torch.tensor([1.0, 1.0 + 2e-3, 1.0, 1.0], dtype=torch.float64)}
+    outcome = compare_parameters(off, ref, "ddp×2", 4, floor=floor)
+    assert outcome.status == "fail" and outcome.detail.endswith(rule), outcome.detail
+
+
 def test_eval_check_needs_identical_counts():
     single = {"samples": 100, "top1": 50.0, "top5": 90.0, "loss": 1.25}
     assert compare_eval(dict(single), single, 2).status == "pass"

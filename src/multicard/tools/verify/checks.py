@@ -73,13 +73,18 @@ def compare_parameters(
     detail = f"max relative difference {diff:.2e} (largest in {where}; tolerance {PARAM_RTOL:.0e})"
     if diff <= PARAM_RTOL or floor is None:
         return Outcome(name, "pass" if diff <= PARAM_RTOL else "fail", detail)
-    tolerance = min(ROUNDING_CAP, max(PARAM_RTOL, FLOOR_FACTOR * floor))
-    detail = (
-        f"max relative difference {diff:.2e} (largest in {where}); one process differs from itself by {floor:.2e} "
-        f"at another thread count (rounding decides comparisons in this model), so the tolerance is "
-        f"{FLOOR_FACTOR}× that: {tolerance:.1e}"
-    )
-    return Outcome(name, "pass" if diff <= tolerance else "fail", detail)
+    scaled = FLOOR_FACTOR * floor
+    tolerance = min(ROUNDING_CAP, max(PARAM_RTOL, scaled))
+    itself = f"max relative difference {diff:.2e} (largest in {where}); one process differs from itself by {floor:.2e}"
+    if scaled <= PARAM_RTOL:
+        rule = f"at another thread count, so rounding does not explain more: the tolerance stays {PARAM_RTOL:.0e}"
+    else:
+        most = f", at most {ROUNDING_CAP:.0e}" if scaled > ROUNDING_CAP else ""
+        rule = (
+            f"at another thread count (rounding decides comparisons in this model), so the tolerance is "
+            f"{FLOOR_FACTOR}× that{most}: {tolerance:.1e}"
+        )
+    return Outcome(name, "pass" if diff <= tolerance else "fail", f"{itself} {rule}")
 
 
 def compare_eval(multi: dict[str, Any], single: dict[str, Any], world: int) -> Outcome:
