@@ -63,3 +63,17 @@ def test_real_process_exit_code_and_single_line(tmp_path):
 def test_eval_of_missing_checkpoint(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path / "none.pt")]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_run_of_a_folder_names_it_a_folder_and_runs_one_with_a_main(tmp_path, capsys):
+    """Before: `script a dir not found` for a folder that is there."""
+    folder = tmp_path / "a dir"
+    folder.mkdir()
+    assert main(["run", str(folder)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"multicard: error: script {folder} is a folder (without a __main__.py); give the path of a Python file "
+        f"(multicard run my_train.py)"
+    )
+    (folder / "__main__.py").write_text("import sys\nprint('ran', sys.argv[1:])\n")  # as `python FOLDER` runs it
+    assert main(["run", str(folder), "--steps", "3"]) == 0
+    assert capsys.readouterr().out == "ran ['--steps', '3']\n"

@@ -368,8 +368,9 @@ EXAMPLE = re.compile(
     r"--[\w-]+(?: [^\s;,()]+)?|=[^\s;,)]+|\b[A-Z][A-Z_0-9]*\b|\b\w*Error\b|\d+(?:\.\d+)?|…|'[^']*'"
     r"|\b[a-z_]+(?:\.[a-z_]+)+\b|\S*/\S*|\([^)]*\)"
 )
-# Library words inside our line: argparse's, and omegaconf's reasons for a value of the wrong type.
-EXTERNAL = ("unrecognized arguments", "could not be converted", "is not a valid bool")
+# Library words inside our line: argparse's, omegaconf's reasons for a value of the wrong type, and
+# Python's for arguments a function does not take.
+EXTERNAL = ("unrecognized arguments", "could not be converted", "is not a valid bool", "got an unexpected keyword")
 
 
 def test_15_every_message_in_the_catalogue_is_still_produced_by_the_code():

@@ -1,18 +1,45 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import TINY, cli
 from multicard.base.errors import UserError
 from multicard.data.sources.synthetic import make_synthetic
 from multicard.strategy.base import Strategy
-from multicard.strategy.models import build_model
+from multicard.strategy.models import build_model, check_input_size
 from multicard.strategy.precision import AutocastForward, Precision
 
 
 def tiny_user_model(num_classes):
     """A user model given as package.module:function."""
     return nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+
+
+class TypoInForward(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(3, num_classes)
+
+    def forward(self, x):
+        return self.fc(x.mean((2, 3)).flaten(1))  # a user's bug: Tensor has no `flaten`
+
+
+def typo_in_forward(num_classes):
+    """A user model (package.module:function) whose forward has a bug."""
+    return TypoInForward(num_classes)
+
+
+def for_32_pixels(num_classes, hidden=8):
+    """A user model that takes 32×32 images only."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.Linear(hidden, num_classes))
+
+
+def typo_in_factory(num_classes):
+    return nn.Linaer(3, num_classes)  # a user's bug in the function itself
 
 
 def test_torchvision_model_by_name_has_the_dataset_classes():
@@ -39,6 +66,28 @@ def test_user_model_from_module_function():
 def test_bad_model_names(name, fragment):
     with pytest.raises(UserError, match=fragment):
         build_model(name, 10)
+
+
+@pytest.mark.slow
+def test_a_bug_in_a_users_model_forward_keeps_its_traceback(tmp_path):
+    """Before: one line `model.name=… cannot take 16×16 images (…); set data.image_size …`, exit 2."""
+    result = cli("train", *TINY, "model.name=test_models_data:typo_in_forward", f"out_dir={tmp_path}",
+                 env={"PYTHONPATH": str(Path(__file__).parent)})  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    err = result.stderr
+    assert "Traceback" in err and "test_models_data.py" in err and ".flaten(1)" in err, err
+    assert "AttributeError: 'Tensor' object has no attribute 'flaten'" in err and "cannot take" not in err
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "multicard: raised by model.name=test_models_data:typo_in_forward's forward of 2 blank 16×16" in err
+
+
+def test_what_a_users_model_function_raises_is_its_own_and_config_it_cannot_take_one_line():
+    with pytest.raises(AttributeError, match="Linaer"):  # a bug in the function: its own exception
+        build_model("test_models_data:typo_in_factory", 4)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # a size it cannot take, said by torch
+        check_input_size(build_model("test_models_data:for_32_pixels", 4), "test_models_data:for_32_pixels", 16, 4)
+    with pytest.raises(UserError, match="rejected model.kwargs={'width': 3}: got an unexpected keyword argument"):
+        build_model("test_models_data:for_32_pixels", 4, {"width": 3})  # the config's, not the function's
 
 
 def test_smallcnn_without_norm_has_no_batchnorm():

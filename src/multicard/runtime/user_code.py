@@ -1,5 +1,10 @@
 """Code of the user's that multicard runs in its own process: a dataset or model module's import
-and its function (`data.name=` / `model.name=package.module:function`).
+and its function (`data.name=` / `model.name=package.module:function`), the model's forward.
+
+An exception of that code's own is the user's to read: it keeps its traceback (exit 1), with a
+note naming what multicard had called (`user_code`, `noted`); only what multicard can tell is
+bad input — arguments from the config that the function does not take (`check_arguments`), a
+module that is not there — becomes one line.
 
 Such code may change what the whole process runs under: torch's default dtype (the run's
 precision comes from the config, and tensors multicard makes, e.g. the loaders' normalisation,
@@ -10,15 +15,44 @@ before the call and says so in one line.
 
 from __future__ import annotations
 
+import inspect
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from multicard.base.errors import MulticardError, UserError
 from multicard.runtime.stopping import HANDLED_SIGNALS
+
+
+def noted(exc: BaseException, what: str) -> None:
+    """Say on the user's own exception, below its traceback, what multicard had called (Python
+    3.11's exception notes; before that the traceback alone says it)."""
+    if not isinstance(exc, MulticardError) and hasattr(exc, "add_note"):
+        exc.add_note(f"multicard: raised by {what}")
+
+
+def check_arguments(function: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> None:
+    """One line, before the call, if `function` cannot take these arguments: the config gave it
+    keyword arguments (model.kwargs, data.kwargs) its signature has no place for."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a callable whose signature Python cannot read: the call will say
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise UserError(f"{what}: {exc}") from None
+
+
+def missing_module(exc: ImportError, module: str) -> bool:
+    """The import failed because `module` itself (or its package) is not there, not because the
+    module's own code failed, or a module it imports is missing."""
+    name = getattr(exc, "name", None) or ""
+    return isinstance(exc, ModuleNotFoundError) and bool(name) and (module == name or module.startswith(name + "."))
 
 
 def _handlers() -> dict[int, Any]:
@@ -28,10 +62,14 @@ def _handlers() -> dict[int, Any]:
 @contextmanager
 def user_code(what: str) -> Iterator[None]:
     """Run the block (the user's `what`, e.g. "data.name=M:F"), then put back torch's default
-    dtype and the stop signals' handlers if it changed them, with one warning line."""
+    dtype and the stop signals' handlers if it changed them, with one warning line. An exception
+    of the user's own passes with a note naming `what`."""
     dtype, handlers = torch.get_default_dtype(), _handlers()
     try:
         yield
+    except Exception as exc:
+        noted(exc, what)
+        raise
     finally:
         changes = []
         changed = torch.get_default_dtype()

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.base.errors import UserError
-from multicard.runtime.user_code import user_code
+from multicard.runtime.user_code import check_arguments, missing_module, user_code
 
 
 def resnet18_cifar(num_classes: int, **kwargs: Any) -> nn.Module:
@@ -261,6 +261,8 @@ def _import_factory(spec: str) -> Callable[..., nn.Module]:
         with user_code(f"model.name={spec}"):
             module = importlib.import_module(module_name)
     except ImportError as exc:
+        if not missing_module(exc, module_name):
+            raise  # the module's own code failed: its traceback says where
         raise UserError(f"model.name={spec}: cannot import module {module_name} ({exc})") from None
     factory = getattr(module, func_name, None)
     if not callable(factory):
@@ -298,6 +300,8 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
             f"model.name={name} is unknown: use a torchvision classification model (e.g. resnet18), "
             f"{', '.join(BUILTIN)}, timm:NAME, or package.module:function"
         )
+    rejected = f"model.name={name} rejected model.kwargs={kwargs}"
+    check_arguments(factory, rejected, num_classes=num_classes, **kwargs)
     try:
         with warnings.catch_warnings(), user_code(f"model.name={name}"):
             # torchvision announces future changes of its defaults on every build (inception_v3,
@@ -307,10 +311,18 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
     except UserError:
         raise
     except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
-        raise UserError(f"model.name={name} rejected model.kwargs={kwargs}: {_first_line(exc)}") from None
+        if users_own(name):
+            raise  # the user's function: its traceback is the report
+        raise UserError(f"{rejected}: {_first_line(exc)}") from None  # a library's check of a value
     if not isinstance(model, nn.Module):
         raise UserError(f"model.name={name} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def users_own(name: str) -> bool:
+    """model.name names the user's own code (package.module:function), not a model multicard,
+    torchvision or timm builds: its exceptions are the user's to read, with their traceback."""
+    return ":" in name and not name.startswith(TIMM_PREFIX)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -320,18 +332,22 @@ def _first_line(exc: BaseException) -> str:
 
 def check_input_size(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
     """A forward of two blank images: a model that cannot take this image size (a ViT made for
-    224 px, Inception at 32 px) fails here in one line, not in the middle of training.
+    224 px, Inception at 32 px) fails here in one line, not in the middle of training; the user's
+    own model (users_own) fails with its own traceback, which tells a bug from a size.
 
     Evaluation mode without gradients, so no state (BatchNorm statistics, random streams) changes.
     """
     was_training = model.training
     model.eval()
+    blank = f"{image_size}×{image_size}"
     try:
-        with torch.no_grad():
+        with torch.no_grad(), user_code(f"model.name={name}'s forward of 2 blank {blank} images (data.image_size)"):
             out = model(torch.zeros(2, 3, image_size, image_size))
     except Exception as exc:
+        if users_own(name):
+            raise  # a bug in the forward, or a size it cannot take: its traceback says which
         raise UserError(
-            f"model.name={name} cannot take {image_size}×{image_size} images ({_first_line(exc)}); "
+            f"model.name={name} cannot take {blank} images ({_first_line(exc)}); "
             f"set data.image_size to a size it accepts (224 for most ImageNet models)"
         ) from None
     finally:

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from multicard.base.errors import MulticardError, UserError
+from multicard.base.errors import UserError
 from multicard.data.augmentation.transforms import Picture
 from multicard.data.decoding.decode import fit_square
 from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, to_rgb
 from multicard.data.sources.folders import InMemory, Items, Splits, seeded_split
-from multicard.runtime.user_code import user_code
+from multicard.runtime.user_code import check_arguments, missing_module, noted, user_code
 
 SPLITS = ("train", "val")
 ITEM_FORMS = "an (image, label) pair, the image as encoded bytes, a PIL image or a uint8 array/tensor (HWC or CHW)"
@@ -47,7 +47,9 @@ def import_function(spec: str) -> Callable[..., Any]:
     try:
         with user_code(f"data.name={spec}"):
             module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or the module failing as it runs
+    except ImportError as exc:
+        if not missing_module(exc, module_name):
+            raise  # the module's own code failed: its traceback says where
         raise UserError(f"data.name={spec}: cannot import module {module_name} ({_first_line(exc)})") from None
     function = getattr(module, func_name, None)
     if not callable(function):
@@ -56,17 +58,11 @@ def import_function(spec: str) -> Callable[..., Any]:
 
 
 def _call(spec: str, function: Callable[..., Any], split: str, kwargs: dict[str, Any]) -> tuple[Any, list[str]] | None:
-    """(dataset, class names) for one split, or None (no such split)."""
-    try:
-        with user_code(f"data.name={spec}"):
-            result = function(split, **kwargs)
-    except MulticardError:  # ours, e.g. a stop signal during a slow read: not the function's fault
-        raise
-    except Exception as exc:
-        raise UserError(
-            f"data.name={spec} raised {_first_line(exc)} for split {split} (data.kwargs={kwargs}); fix the function "
-            f"or data.kwargs"
-        ) from None
+    """(dataset, class names) for one split, or None (no such split). What the function raises
+    is its own, with its traceback (a note names the split and data.kwargs)."""
+    check_arguments(function, f"data.name={spec} cannot take data.kwargs={kwargs}", split, **kwargs)
+    with user_code(f"data.name={spec} for split {split} (data.kwargs={kwargs})"):
+        result = function(split, **kwargs)
     if result is None:
         return None
     if isinstance(result, tuple) and len(result) == 2 and _is_names(result[1]):
@@ -142,10 +138,9 @@ def read_item(items: Items, index: int) -> tuple[Picture, torch.Tensor]:
     where = f"{items.name} item {i}"
     try:
         item = items.dataset[i]
-    except MulticardError:
+    except Exception as exc:  # the dataset's own (a multicard error passes unnoted): its traceback stays
+        noted(exc, f"reading {where}")
         raise
-    except Exception as exc:
-        raise UserError(f"{where} raised {_first_line(exc)} when read; fix the dataset's __getitem__") from None
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise UserError(f"{where} is {_describe(item)}; each item must be {ITEM_FORMS}")
     image, label = item
