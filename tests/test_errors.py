@@ -129,6 +129,39 @@ def test_exception_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
     assert re.search(r"multicard: error \(rank [01]\): cannot decode image .*013\.png", line)
 
 
+# A script's own loop (multicard.Run, 2 processes) in which only rank 0 enters a collective.
+ONE_RANK_COLLECTIVE = """
+import sys
+
+import torch
+import torch.distributed as dist
+
+import multicard
+
+run = multicard.Run(sys.argv[1], global_batch_size=4, devices="cpu")
+if run.rank == 0:
+    dist.all_reduce(torch.ones(3))
+dist.all_reduce(torch.ones(1000))
+"""
+
+
+@pytest.mark.distributed
+def test_a_collective_one_rank_alone_enters_is_named_as_the_likely_cause_with_code_134(tmp_path):
+    """Before: gloo's C++ abort text alone, then `rank 0 was killed by SIGABRT`; 134 was undocumented."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK_COLLECTIVE)
+    result = cli("run", "--nproc-per-node", "2", str(script), str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 134, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.fullmatch(
+        r"multicard: error: rank [01] aborted in native code \(SIGABRT; exit code 134\), most often because the "
+        r"ranks called different collectives \(a collective on one rank only, or with tensors of other sizes: "
+        r"gloo's \"collective mismatch\" above\); call the same collectives in the same order on every rank "
+        r"\(TORCH_DISTRIBUTED_DEBUG=DETAIL names the first that differs\)",
+        result.stderr.strip().splitlines()[-1],
+    ), result.stderr
+
+
 def test_every_row_of_the_catalogue_names_an_existing_test():
     text = (ROOT / "docs" / "errors.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and "`tests/" in line]

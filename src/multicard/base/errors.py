@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     SIGHUP = 128 + signal.SIGHUP  # 129: the terminal or SSH session went away
     SIGINT = 128 + signal.SIGINT  # 130: Ctrl-C
     SIGQUIT = 128 + signal.SIGQUIT  # 131: quit at once, stacks dumped, no checkpoint
+    ABORTED = 128 + signal.SIGABRT  # 134: a rank aborted in native code (most often ranks in different collectives)
     KILLED = 128 + signal.SIGKILL  # 137: a worker was killed (often the out-of-memory killer)
     SIGUSR1 = 128 + signal.SIGUSR1  # 138: Slurm's warning before the time limit
     SIGTERM = 128 + signal.SIGTERM  # 143: a scheduler or `kill`

@@ -208,14 +208,15 @@ def _outlive(env: ProcessEnv) -> None:
     time, then the end."""
     assert env.launcher_pid is not None
     wait_for_exit(env.launcher_pid)
-    ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-    if not ignored:
-        time.sleep(env.stop_timeout_s)
-    how = "ignores SIGTERM" if ignored else f"did not stop within {env.stop_timeout_s:g} s of its SIGTERM"
-    say_line(
-        f"multicard: error (rank {env.rank}): the launcher (pid {env.launcher_pid}) has gone and this worker {how}; "
-        f"ending it without a checkpoint (the last one written stays)"
-    )
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # nothing will stop it
+        line = f"the launcher (pid {env.launcher_pid}) has gone and this worker ignores SIGTERM"
+    else:
+        time.sleep(env.stop_timeout_s)  # the stop's time, as the launcher would have given it
+        line = (
+            f"the launcher (pid {env.launcher_pid}) has gone and this worker did not stop within "
+            f"{env.stop_timeout_s:g} s of its SIGTERM"
+        )
+    say_line(f"multicard: error (rank {env.rank}): {line}; ending it without a checkpoint (the last one written stays)")
     end_process(ExitCode.SIGTERM)
 
 

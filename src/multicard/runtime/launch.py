@@ -193,6 +193,13 @@ def _describe(rank: int, code: int) -> str | None:
         return None
     if code == ExitCode.PEER_LOST:
         return f"rank {rank} lost its connection to the other ranks (a node or the network went away?)"
+    if code == ExitCode.ABORTED:  # gloo's or NCCL's C++ abort: its own text above is native; this says why
+        return (
+            f"rank {rank} aborted in native code (SIGABRT; exit code {code}), most often because the ranks called "
+            f"different collectives (a collective on one rank only, or with tensors of other sizes: gloo's "
+            f"\"collective mismatch\" above); call the same collectives in the same order on every rank "
+            f"(TORCH_DISTRIBUTED_DEBUG=DETAIL names the first that differs)"
+        )
     if code > 128:
         sig = signal.Signals(code - 128)
         why = ": out of memory?" if sig == signal.SIGKILL else ""
