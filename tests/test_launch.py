@@ -96,7 +96,7 @@ def test_a_process_forked_under_multicards_stop_handlers_ends_on_a_plain_sigterm
 def test_workers_of_a_killed_launcher_end_though_their_script_ignores_sigterm(tmp_path):
     """Before: both workers ran on without their launcher (the SIGTERM its death sends was ignored)."""
     run = tmp_path / "run"
-    launcher = start("run", "--nproc-per-node", "2", "--stop-timeout", "3", str(script(tmp_path, IGNORES_SIGTERM)),
+    launcher = start("run", "--nproc-per-node", "2", "--stop-timeout", "1", str(script(tmp_path, IGNORES_SIGTERM)),
                      str(run))  # fmt: skip
     marks = [run / "pid-0", run / "pid-1"]
     try:
@@ -112,4 +112,4 @@ def test_workers_of_a_killed_launcher_end_though_their_script_ignores_sigterm(tm
     ending = "; ending it without a checkpoint (the last one written stays)"
     lines = set(err.splitlines())
     assert gone.format(0) + "ignores SIGTERM" + ending in lines, err
-    assert gone.format(1) + "did not stop within 3 s of its SIGTERM" + ending in lines, err
+    assert gone.format(1) + "did not stop within 1 s of its SIGTERM" + ending in lines, err
