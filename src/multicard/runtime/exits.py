@@ -223,9 +223,11 @@ def _outlive(env: ProcessEnv) -> None:
 def wait_for_exit(pid: int) -> None:
     """Until process `pid` (this one's parent) has ended: asleep on a pidfd where the kernel has
     them, else checking every half second."""
+    if os.getppid() != pid:  # gone already (and its pid may be another process's by now)
+        return
     try:
         fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # before Linux 5.3, or `pid` has gone already
+    except (AttributeError, OSError):  # before Linux 5.3 (or not Linux), or gone meanwhile
         while os.getppid() == pid:
             time.sleep(0.5)
         return
