@@ -54,6 +54,7 @@ def script(folder: Path, code: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", [(), ("--nproc-per-node", "2")], ids=["one-process", "two-workers"])
 def test_processes_a_script_leaves_running_end_with_multicard_run(tmp_path, launch):
     """Before: `multicard run` exited 0 and the sleepers ran on under init."""
