@@ -182,11 +182,11 @@ def test_27_14_resume_from_a_checkpoints_folder_takes_its_newest(single, tmp_pat
     assert main(["train", *TINY, "train.max_steps=4", f"train.resume={folder}", f"out_dir={tmp_path / 'o'}"]) == 0
     assert f"resumed from {folder / 'step-000000002.pt'}:" in capsys.readouterr().out
     assert main(["eval", "--checkpoint", str(folder)]) == 2
-    suggested = f"e.g. {folder / 'last.pt'} or {folder / 'step-000000002.pt'}"  # what exists: a single-file run's
+    suggested = f"e.g. {folder / 'last'} or {folder / 'step-000000002.pt'}"  # `last`: the newest, in any format
     assert f"{folder} is a folder of checkpoints; give one of them, {suggested}" in one_line(capsys.readouterr().err)
     assert main(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "model.pt")]) == 2
     assert suggested in one_line(capsys.readouterr().err)
-    assert main(["export", "--checkpoint", str(folder / "last.pt"), "--out", str(tmp_path / "model.pt")]) == 0
+    assert main(["export", "--checkpoint", str(folder / "last"), "--out", str(tmp_path / "model.pt")]) == 0
     unreadable = tmp_path / "unreadable"
     unreadable.mkdir()
     (unreadable / "step-000000002.pt").write_bytes(b"truncated")
