@@ -60,9 +60,9 @@ def _install() -> None:
         original_step = Loop.optimizer_step
         pause = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000
 
-        def step(self):
+        def step(self, *args, **kwargs):
             time.sleep(pause)
-            return original_step(self)
+            return original_step(self, *args, **kwargs)
 
         Loop.optimizer_step = step
         if FAULT == "slow-stop":

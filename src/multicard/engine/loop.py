@@ -6,25 +6,32 @@ strategy's no_sync on the others), the loss scaled for accumulation and for fp16
 the optimizer and LR-scheduler step, the run's position and the graceful stop every rank agrees
 on. This module is the one place a backward pass and an optimizer step are written.
 
-The loop is stateful: `state_dict()` / `load_state_dict()` carry the model, optimizer,
-scheduler, scaler, position and every rank's random streams, plus each component registered in
+A run may train several models with several optimizers (a GAN's generator and discriminator, a
+frozen teacher beside its student): each optimizer steps the parameters of one model, with its own
+scheduler, and one fp16 GradScaler serves them all (torch's recipe for several optimizers: each
+optimizer's step is skipped on its own inf/NaN, the scale is updated once per global batch).
+
+The loop is stateful: `state_dict()` / `load_state_dict()` carry the models, optimizers,
+schedulers, scaler, position and every rank's random streams, plus each component registered in
 `components` (the weights' EMA, a user's own state): the one list of what a checkpoint holds.
-Callbacks are told of the loop's events and receive the loop.
+The run's model (the first with an optimizer) and its first optimizer are saved under "model"
+and "optimizer", as a run of one model saves them; any other under "models" and "optimizers",
+keyed by their order of setup. Callbacks are told of the loop's events and receive the loop.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, fields
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from multicard.base.errors import Stopped
+from multicard.base.errors import Stopped, UserError
 from multicard.engine.phases import BACKWARD, COMMUNICATION, IDLE, OPTIMIZER, REDUCING, PhaseClock, StepTimes
 from multicard.runtime.stopping import GracefulStop
 
@@ -66,14 +73,15 @@ def own_streams(streams: list[dict[str, Any]], rank: int, world_size: int) -> di
 
 
 def load_keeping_kernels(
-    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: Any, optim_state: Any
+    strategy: Strategy, model: nn.Module, optimizer: Any, model_state: Any, optim_state: Any
 ) -> None:
-    """Load model and optimizer state. How this run computes the update (fused kernels or not) is
-    its own choice, not the checkpoint's: a fused kernel saved by one strategy may not exist for
-    another's tensors."""
-    kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+    """Load model and optimizer state (`optimizer` [] with `optim_state` {}: the model's alone). How
+    this run computes the update (fused kernels or not) is its own choice, not the checkpoint's: a
+    fused kernel saved by one strategy may not exist for another's tensors."""
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else []
+    kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in groups]
     strategy.load_state_dicts(model, optimizer, model_state, optim_state)
-    for group, keep in zip(optimizer.param_groups, kernels, strict=True):
+    for group, keep in zip(groups, kernels, strict=True):
         group.update(keep)
 
 
@@ -106,10 +114,16 @@ class Schedule:
     label_smoothing: float = 0.0
     clip_grad_norm: float = 0.0
     eval_flip: bool = False  # test-time flip in evaluation
+    epochs: int = 0  # a user's loop: its epochs end the run too (one left early by `break` is shorter); 0: none
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of `epoch` in this run (the last one may be cut by train.max_steps)."""
         return max(0, min(self.steps_per_epoch, self.total_steps - epoch * self.steps_per_epoch))
+
+    def last_step(self, position: Position) -> int:
+        """Where the epoch in progress ends: its steps, or fewer if the run's steps end first."""
+        left = self.total_steps - position.global_step
+        return max(position.step_in_epoch, min(self.steps_per_epoch, position.step_in_epoch + left))
 
 
 class Stateful(Protocol):
@@ -122,28 +136,72 @@ class Stateful(Protocol):
 
 class GradientWatch:
     """Marks the end of backward's compute: once the step's last gradient has been accumulated,
-    what remains of backward is waiting for gradient communication.
+    what remains of backward is waiting for gradient communication. It also sees a synced
+    backward that reached some of the model's parameters but not all: DDP would then wait
+    forever for the others' gradients (or apply them unreduced), unless told to look for unused
+    parameters.
 
     The parameters' hooks hold this object, which holds no model: no reference cycle keeps the
     model (and DDP's reducer with its process group) alive past the run.
     """
 
-    def __init__(self, clock: PhaseClock, model: nn.Module) -> None:
+    def __init__(self, clock: PhaseClock, model: nn.Module, unused_ok: bool = True) -> None:
         self.clock = clock
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.count = len(params)
+        self.unused_ok = unused_ok
         self.pending = -1  # gradients still to come in this backward; 0 → communication
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._arrived)
+        self.arrived: set[int] = set()  # which parameters got one (only while looking for unused ones)
+        self.names = [name for name, _ in params]
+        for i, (_, p) in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._hook(i))
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def arrived(_: torch.Tensor) -> None:
+            self.pending -= 1
+            if not self.unused_ok:
+                self.arrived.add(index)
+            if self.pending == 0:
+                self.clock.enter(COMMUNICATION)
+
+        return arrived
 
     def expect(self, synced: bool) -> None:
         """Before a backward: watch it if its gradients are reduced (the last micro-step)."""
         self.pending = self.count if synced else -1
+        self.arrived.clear()
 
-    def _arrived(self, _: torch.Tensor) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            self.clock.enter(COMMUNICATION)
+    def check_used(self) -> None:
+        """After a synced backward: refuse one that reached some of the model's parameters, not all."""
+        if self.unused_ok or self.pending <= 0 or self.pending == self.count:
+            return
+        missing = [name for i, name in enumerate(self.names) if i not in self.arrived]
+        raise UserError(
+            f"{len(missing)} parameter(s) got no gradient in this backward under ddp (e.g. {missing[0]}), so DDP "
+            f"would wait for them forever; set options={{'ddp.find_unused_parameters': True}} (config "
+            f"ddp.find_unused_parameters=true), or freeze them (requires_grad=False) before run.setup"
+        )
+
+
+@dataclass(eq=False)
+class Trained:
+    """A model of the run, as the strategy wrapped it (forward) and bare (parameters, checkpoints)."""
+
+    wrapped: nn.Module
+    bare: nn.Module
+    watch: GradientWatch | None = None
+
+
+@dataclass(eq=False)
+class Stepper:
+    """An optimizer of the run, the model whose parameters it steps, and its LR scheduler.
+    `params`: what clipping measures — the model's parameters, or (one of several optimizers of
+    one model) those of them it holds, in the model's order."""
+
+    optimizer: torch.optim.Optimizer
+    model: Trained
+    scheduler: Any = None
+    params: list[torch.Tensor] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- callbacks
@@ -200,7 +258,7 @@ class Hooks:
 
 
 class Loop:
-    """The model, optimizer, scheduler and scaler of one run, its position, and the one step."""
+    """The models, optimizers, schedulers and scaler of one run, its position, and the one step."""
 
     def __init__(self, strategy: Strategy, schedule: Schedule, stop: GracefulStop | None = None) -> None:
         self.strategy = strategy
@@ -210,25 +268,55 @@ class Loop:
         self.position = Position()
         self.clock = PhaseClock(strategy.ctx.device)
         self.hooks = Hooks([])
-        self.model: nn.Module | None = None  # as the strategy wrapped it: what forward runs through
-        self.bare: nn.Module | None = None  # parameters, checkpoints and evaluation
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None  # an LR scheduler (anything with step() and a state dict), or None
+        self.trained: list[Trained] = []  # every model, in the order it was set up
+        self.steppers: list[Stepper] = []  # every optimizer, in the order it was set up
         self.components: dict[str, Stateful] = {}  # saved under their names (the EMA, a user's state)
         self.position_state: list[Stateful] = []  # saved inside the position (the meter's epoch sums)
         self.ending: BaseException | None = None  # what ended training, for on_fit_end (None: it completed)
-        self._gradients: GradientWatch | None = None
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any = None) -> None:
         """The model as the strategy prepared it, and what steps it."""
-        self.model, self.bare = model, self.strategy.unwrap(model)
-        self.optimizer, self.scheduler = optimizer, scheduler
-        if self.strategy.reduces_gradients:
-            self._gradients = GradientWatch(self.clock, self.bare)
+        self.add(model, [optimizer] if optimizer is not None else [])
+        if scheduler is not None:
+            self.steppers[-1].scheduler = scheduler
+
+    def add(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Trained:
+        """Another model of the run (as the strategy prepared it) and the optimizers that step it."""
+        bare = self.strategy.unwrap(model)
+        watch = None
+        if self.strategy.reduces_gradients and any(p.requires_grad for p in bare.parameters()):
+            options = getattr(self.strategy, "options", None)
+            watch = GradientWatch(self.clock, bare, unused_ok=getattr(options, "find_unused_parameters", True))
+        trained = Trained(model, bare, watch)
+        self.trained.append(trained)
+        for optimizer in optimizers:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            mine = [p for p in model.parameters() if id(p) in held]
+            self.steppers.append(Stepper(optimizer, trained, params=mine if len(optimizers) > 1 else []))
+        return trained
+
+    @property
+    def main(self) -> Stepper | None:
+        """The run's first optimizer: its model is the run's model (checkpoints' "model")."""
+        return self.steppers[0] if self.steppers else None
+
+    def _primary(self) -> Trained | None:
+        main = self.main
+        return main.model if main is not None else (self.trained[0] if self.trained else None)
+
+    model = property(lambda self: p.wrapped if (p := self._primary()) else None, doc="what forward runs through")
+    bare = property(lambda self: p.bare if (p := self._primary()) else None, doc="parameters, checkpoints")
+    optimizer = property(lambda self: self.main.optimizer if self.main else None)
+
+    @property
+    def scheduler(self) -> Any:
+        """The first optimizer's LR scheduler (anything with step() and a state dict), or None."""
+        return self.main.scheduler if self.main else None
 
     @property
     def finished(self) -> bool:
-        return self.position.global_step >= self.schedule.total_steps
+        epochs = self.schedule.epochs
+        return self.position.global_step >= self.schedule.total_steps or bool(epochs and self.position.epoch >= epochs)
 
     @property
     def phase(self) -> str:
@@ -246,31 +334,52 @@ class Loop:
         """Micro-step `micro` of the step: its gradients are reduced only if it is the last one (the
         forward too runs inside the strategy's no_sync: DDP decides there)."""
         sync = micro == self.schedule.grad_accum - 1
-        with nullcontext() if sync else self.strategy.no_sync(self.model):  # type: ignore[arg-type]
-            if self._gradients is not None:
-                self._gradients.expect(sync)
+        with nullcontext() if sync else self._no_sync():
+            for trained in self.trained:
+                if trained.watch is not None:
+                    trained.watch.expect(sync)
             yield
+
+    def _no_sync(self) -> Any:
+        if len(self.trained) == 1:
+            return self.strategy.no_sync(self.trained[0].wrapped)
+        stack = ExitStack()
+        for trained in self.trained:
+            if trained.watch is not None or not self.strategy.reduces_gradients:
+                stack.enter_context(self.strategy.no_sync(trained.wrapped))
+        return stack
 
     def backpropagate(self, loss: torch.Tensor) -> None:
         """The gradients of one micro-step's mean loss, as a share of the global batch's (the one
         backward pass of multicard: train, a user's loop, and every tool that times a step)."""
         self.clock.enter(BACKWARD)
         self.scaler.scale(loss / self.schedule.grad_accum).backward()
+        for trained in self.trained:
+            if trained.watch is not None:
+                trained.watch.check_used()
 
-    def optimizer_step(self) -> None:
-        """Apply the step's gradients (reduced by now): clip, step (skipped by the fp16 scaler on
-        NaN/inf), zero them, advance the LR schedule."""
-        assert self.optimizer is not None and self.model is not None
+    def optimizer_step(self, stepper: Stepper | None = None, clip: float | None = None, update: bool = True) -> None:
+        """Apply an optimizer's gradients (reduced by now): clip, step (skipped by the fp16 scaler on
+        NaN/inf), zero them, advance its LR schedule; then (`update`) the scaler's scale. With
+        several optimizers the scale is updated once, after the last of them (update_scale)."""
+        stepper = stepper or self.main
+        assert stepper is not None
+        clip = self.schedule.clip_grad_norm if clip is None else clip
         self.clock.enter(OPTIMIZER)
         self.hooks.on_gradients(self)
-        if self.schedule.clip_grad_norm:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.schedule.clip_grad_norm)
-        self.scaler.step(self.optimizer)
+        if clip:
+            self.scaler.unscale_(stepper.optimizer)
+            torch.nn.utils.clip_grad_norm_(stepper.params or stepper.model.wrapped.parameters(), clip)
+        self.scaler.step(stepper.optimizer)
+        if update:
+            self.scaler.update()
+        stepper.optimizer.zero_grad(set_to_none=True)
+        if stepper.scheduler is not None:
+            stepper.scheduler.step()
+
+    def update_scale(self) -> None:
+        """After every optimizer of a global batch has stepped: the fp16 scale for the next."""
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     def count_step(self) -> None:
         self.position.global_step += 1
@@ -292,29 +401,35 @@ class Loop:
         """Everything a checkpoint holds. A collective: every rank calls it at the same step. Model
         and optimizer state are keyed by parameter name, as the strategy holds them (sharded under
         fsdp), or with `whole`, gathered whole on rank 0."""
-        assert self.bare is not None and self.optimizer is not None
+        main = self.main
+        assert main is not None
         position = asdict(self.position)
         for part in self.position_state:
             position.update(part.state_dict(whole))
-        self.strategy.agree_buffers(self.bare)
-        model_state, optim_state = self.strategy.state_dicts(self.bare, self.optimizer, whole)
+        for trained in self.trained:
+            self.strategy.agree_buffers(trained.bare)
+        model_state, optim_state = self.strategy.state_dicts(main.model.bare, main.optimizer, whole)
         state = {
             "model": model_state,
             "optimizer": optim_state,
             "scaler": self.scaler.state_dict(),
             "position": position,
             "rng": self.strategy.all_gather_object(rng_state()),
-            **({"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
+            **({"scheduler": main.scheduler.state_dict()} if main.scheduler is not None else {}),
+            **others_state(self, whole),
         }
         return state | {name: part.state_dict(whole) for name, part in self.components.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (any strategy and world size that keep this global batch). A part
         this run has no component for (yet) is left; a component the state lacks starts afresh."""
-        assert self.bare is not None and self.optimizer is not None
-        load_keeping_kernels(self.strategy, self.bare, self.optimizer, state["model"], state["optimizer"])
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
+        main = self.main
+        assert main is not None
+        check_same_parts(self, state)
+        load_keeping_kernels(self.strategy, main.model.bare, main.optimizer, state["model"], state["optimizer"])
+        if main.scheduler is not None and "scheduler" in state:
+            main.scheduler.load_state_dict(state["scheduler"])
+        load_others(self, state)
         self.scaler.load_state_dict(state["scaler"])
         self.position = Position.from_state(state["position"])
         for part in self.position_state:
@@ -323,3 +438,49 @@ class Loop:
         for name, part in self.components.items():
             if name in state:
                 part.load_state_dict(state[name])
+
+
+# ---------------------------------------------------------------- the other models and optimizers
+
+
+def _others(loop: Loop) -> tuple[list[tuple[str, Trained]], list[tuple[str, Stepper]]]:
+    """The models and optimizers beside the run's model and its first optimizer, keyed by setup order."""
+    main = loop.main
+    models = [(str(i), t) for i, t in enumerate(loop.trained) if main is None or t is not main.model]
+    steppers = [(str(i), s) for i, s in enumerate(loop.steppers) if s is not main]
+    return models, steppers
+
+
+def others_state(loop: Loop, whole: bool) -> dict[str, Any]:
+    """"models", "optimizers" and "schedulers" of a run with more than one model or optimizer."""
+    models, steppers = _others(loop)
+    if not models and not steppers:
+        return {}
+    strategy = loop.strategy
+    model_states = {key: strategy.state_dicts(t.bare, [], whole)[0] for key, t in models}
+    optim_states = {key: strategy.state_dicts(s.model.bare, s.optimizer, whole)[1] for key, s in steppers}
+    schedulers = {key: s.scheduler.state_dict() for key, s in steppers if s.scheduler is not None}
+    return {"models": model_states, "optimizers": optim_states, "schedulers": schedulers}
+
+
+def check_same_parts(loop: Loop, state: dict[str, Any]) -> None:
+    """A checkpoint continues a run of as many models and optimizers, set up in the same order."""
+    models, steppers = len(loop.trained), len(loop.steppers)
+    saved = 1 + len(state.get("models", {})), 1 + len(state.get("optimizers", {}))
+    if (models, steppers) != saved:
+        raise UserError(
+            f"the checkpoint holds {saved[0]} model(s) and {saved[1]} optimizer(s), this run set up {models} and "
+            f"{steppers}; set them up as the run that wrote it did (same order), or start afresh (resume='never')"
+        )
+
+
+def load_others(loop: Loop, state: dict[str, Any]) -> None:
+    models, steppers = _others(loop)
+    optims = dict(steppers)
+    for key, trained in models:
+        loop.strategy.load_state_dicts(trained.bare, [], state["models"][key], {})
+    for key, stepper in optims.items():
+        load_keeping_kernels(loop.strategy, stepper.model.bare, stepper.optimizer, state["models"].get(
+            str(loop.trained.index(stepper.model)), state["model"]), state["optimizers"][key])
+        if stepper.scheduler is not None and key in state.get("schedulers", {}):
+            stepper.scheduler.load_state_dict(state["schedulers"][key])

@@ -1,11 +1,17 @@
 """`run.loader(dataset)`: this rank's micro-batches of a user's dataset, on the device.
 
 The sampler is the command line's (data.sampling.ShardedBatchSampler): an epoch's order is a
-function of (seed, epoch), each optimizer step takes the same global batch at any world size,
-a micro-step a contiguous slice of it and each rank its part of that slice; a resumed epoch
-starts at the step it stopped at. Iterating the loader also tells the run which micro-step
-each batch belongs to, so a micro-step whose gradients are not reduced runs its forward and
-backward inside the strategy's no_sync (DDP decides at the forward).
+function of (seed, epoch) — shuffled, in the dataset's order, or in contiguous streams — each
+optimizer step takes the same global batch at any world size, a micro-step a contiguous slice
+of it and each rank its part of that slice; a resumed epoch starts at the step it stopped at.
+Iterating the loader also tells the run which micro-step each batch belongs to, so a micro-step
+whose gradients are not reduced runs its forward and backward inside the strategy's no_sync
+(DDP decides at the forward). A loader gives an epoch's batches once: iterating it again in the
+same epoch is refused (it would repeat them), and leaving it early (`break`) ends the epoch.
+
+In streams (truncated backpropagation through time), `carry(state, dim=...)` keeps each stream's
+state (an RNN's hidden state) in the run's checkpoints, gathered over the ranks in stream order,
+so a run resumed in the middle of an epoch, at any world size, continues every stream from it.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import default_collate
 
+from multicard.base.errors import UserError
 from multicard.data.loading.keyed import KeyedSamples, Transform, move_to
-from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, eval_batches
+from multicard.data.loading.sampling import ORDERS, BatchSplit, ShardedBatchSampler, eval_batches, sample_order
 from multicard.data.loading.workers import EpochKeys, EvalKeys, data_loader
 from multicard.engine.phases import DATA, FORWARD
 from multicard.runtime.process_group import ProcessContext
@@ -25,6 +32,8 @@ from multicard.runtime.process_group import ProcessContext
 
 class MicroSteps(Protocol):
     """What a loader tells its run while it is iterated."""
+
+    begun: bool  # the run's epochs have begun
 
     def begin_micro(self, micro: int) -> None: ...
 
@@ -38,18 +47,22 @@ class MicroSteps(Protocol):
 
 class Loader:
     """This rank's micro-batches of the run's current epoch, from `run.loader(dataset)`; iterate it
-    inside `for epoch in run.epochs(N)`."""
+    inside `for epoch in run.epochs(N)`, once an epoch."""
 
     def __init__(
         self, dataset: Any, transform: Transform | None, collate_fn: Callable | None, num_workers: int,
-        split: BatchSplit, ctx: ProcessContext, seed: int, steps: MicroSteps, floats: torch.dtype,
+        split: BatchSplit, ctx: ProcessContext, seed: int, steps: MicroSteps, floats: torch.dtype, order: str,
     ) -> None:  # fmt: skip
-        self.split, self.ctx, self.steps, self.floats = split, ctx, steps, floats
-        self.sampler = ShardedBatchSampler(len(dataset), split, ctx.rank, seed)
+        if order not in ORDERS:
+            raise UserError(f"run.loader(order={order!r}) is not one of {', '.join(ORDERS)}")
+        self.split, self.ctx, self.steps, self.floats, self.order = split, ctx, steps, floats, order
+        self.sampler = ShardedBatchSampler(len(dataset), split, ctx.rank, seed, order=sample_order(order, split))
         samples = KeyedSamples(dataset, transform, seed)
         collate = collate_fn or default_collate
         self.loader = data_loader(samples, EpochKeys(self.sampler), num_workers, ctx.device, seed, ctx.rank, collate)
         self.last_step = self.steps_per_epoch  # where this epoch's steps end (a run's max_steps may cut one)
+        self.carried = Carried(ctx, split.micro_batch)
+        self._drawn: bool | None = None  # this epoch: None not iterated yet, False iterating, True drawn from
 
     @property
     def num_samples(self) -> int:
@@ -59,15 +72,37 @@ class Loader:
     def steps_per_epoch(self) -> int:
         return self.split.steps_per_epoch(self.sampler.num_samples)
 
+    @property
+    def micro_batch(self) -> int:
+        """Samples of each batch on this rank (in streams: the streams this rank holds)."""
+        return self.split.micro_batch
+
     def set_epoch(self, epoch: int, start_step: int, last_step: int) -> None:
         self.sampler.set_epoch(epoch, start_step)
         self.last_step = last_step
+        self._drawn = None
+        self.carried.start(resumed=start_step > 0)
+
+    def end_epoch(self) -> None:
+        self.carried.end()
 
     def __len__(self) -> int:
         """Micro-batches left in this epoch on this rank."""
         return max(0, self.last_step - self.sampler.start_step) * self.split.grad_accum
 
     def __iter__(self) -> Iterator[Any]:
+        if not self.steps.begun:
+            raise UserError("a run.loader was iterated outside `for epoch in run.epochs(N)` (or run.steps(N)); "
+                            "iterate it inside, once an epoch")  # fmt: skip
+        if self._drawn is not None:
+            raise UserError(
+                f"a run.loader was iterated twice in epoch {self.sampler.epoch}; iterate it once an epoch (it "
+                f"would give the same batches again; `break` ends the epoch early, more epochs give more passes)"
+            )
+        self._drawn = False
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
         accum, left = self.split.grad_accum, len(self)
         if left == 0:
             return
@@ -80,14 +115,81 @@ class Loader:
                 batch = move_to(next(batches), self.ctx.device, self.floats)
                 self.steps.begin_micro(n % accum)
                 self.steps.enter(FORWARD)
+                self._drawn = True
                 yield batch
+            self.steps.end_micro()
+            self.steps.settle()  # the epoch's last step, before the code after the loop (evaluation) runs
         finally:
             self.steps.end_micro()
+
+    def carry(self, state: Any, *, dim: int) -> Any:
+        """In streams (order="streams"): the state each of this rank's streams carries to its next
+        batch — a tensor, or a tuple or list of them, with one row per stream along `dim` (an
+        RNN's hidden state: dim=1). Call it before the epoch's first batch with the initial state,
+        and after each forward with the new one; it returns `state`, except in an epoch resumed
+        in the middle, where the first call returns the state the checkpoint kept (at any world
+        size: it is saved in stream order). The states given are kept for the next checkpoint."""
+        if self.order != "streams":
+            raise UserError("loader.carry(...) keeps the state of streams: create the loader with order='streams'")
+        return self.carried.carry(state, dim, drawn=bool(self._drawn))
 
     def close(self) -> None:
         from multicard.data.loading.workers import shutdown_workers
 
         shutdown_workers(self.loader)
+
+
+class Carried:
+    """The state a rank's streams carry from batch to batch, as a checkpoint part: saved gathered over
+    the ranks (rows in stream order), restored as this rank's rows; void at an epoch's end."""
+
+    def __init__(self, ctx: ProcessContext, rows: int) -> None:
+        self.ctx, self.rows = ctx, rows
+        self.state: Any = None
+        self.dim = 0
+        self.saved: Any = None  # whole (every stream's) state from a checkpoint, until the first carry
+        self._resumed = False
+
+    def start(self, resumed: bool) -> None:
+        self._resumed = resumed
+        if not resumed:
+            self.saved = None
+
+    def end(self) -> None:
+        self.state = self.saved = None
+
+    def carry(self, state: Any, dim: int, drawn: bool) -> Any:
+        tensors = state if isinstance(state, (tuple, list)) else (state,)
+        if not tensors or any(not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != self.rows
+                              for t in tensors):  # fmt: skip
+            raise UserError(f"loader.carry(state, dim={dim}) takes a tensor (or a tuple of them) with {self.rows} "
+                            f"rows along dim {dim}, one per stream this rank holds")  # fmt: skip
+        if self.saved is not None:
+            if drawn:
+                raise UserError("loader.carry(...): call it with the initial state before the epoch's first batch "
+                                "(a resumed epoch continues from the state its checkpoint kept)")  # fmt: skip
+            state = _rows(self.saved, self.ctx.rank * self.rows, self.rows, tensors[0].device)
+            self.saved = None
+        self.state, self.dim = state, dim
+        return state
+
+    def state_dict(self, whole: bool = False) -> dict[str, Any]:
+        if self.state is None:
+            return {}
+        tensors = self.state if isinstance(self.state, (tuple, list)) else (self.state,)
+        mine = [t.detach().cpu().movedim(self.dim, 0) for t in tensors]  # rows first, for every rank alike
+        every = self.ctx.all_gather_object(mine)
+        whole_rows = [torch.cat([r[i] for r in every]).movedim(0, self.dim) for i in range(len(mine))]
+        return {"tuple": isinstance(self.state, (tuple, list)), "dim": self.dim, "tensors": whole_rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = state or None
+
+
+def _rows(saved: dict[str, Any], start: int, rows: int, device: torch.device) -> Any:
+    dim = saved["dim"]
+    tensors = [t.narrow(dim, start, rows).to(device) for t in saved["tensors"]]
+    return tuple(tensors) if saved["tuple"] else tensors[0]
 
 
 def eval_loader(

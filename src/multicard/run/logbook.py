@@ -117,8 +117,10 @@ class Logbook:
         return record
 
     def epoch_record(self, lr: float) -> dict[str, Any]:
-        """The record of an epoch end: each value's mean over the epoch. A collective."""
+        """The record of an epoch end: each value's mean over the epoch. A collective. Values logged
+        after the epoch's last step record (validation scores) are in this record only."""
         self._reduce()
+        self.since_record = {}
         seconds = time.perf_counter() - self.epoch_started
         return {
             "epoch": self.loop.position.epoch, "step": self.loop.position.global_step,

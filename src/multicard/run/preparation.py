@@ -1,18 +1,25 @@
-"""`run.setup(model, optimizer)`: the user's model placed, converted and wrapped by the run's
-strategy, and their optimizer made to step what the strategy holds.
+"""`run.setup(model, *optimizers)`: the user's model placed, converted and wrapped by the run's
+strategy, and their optimizers made to step what the strategy holds.
 
-The optimizer keeps its class, parameter groups and settings. Under fsdp the parameters are
-replaced by sharded ones of the same names, so each group is pointed at the new ones (the same
-optimizer object: a scheduler made from it keeps working); with ddp.shard_optimizer (ZeRO-1)
-the strategy builds a ZeroRedundancyOptimizer of the same class and groups, returned instead.
+Each optimizer keeps its class, parameter groups and settings. Where the strategy replaces the
+parameters (fsdp shards them; sync_bn replaces BatchNorm layers), each group is pointed at the
+new ones of the same names (the same optimizer object: a scheduler made from it keeps working);
+with ddp.shard_optimizer (ZeRO-1) the strategy builds a ZeroRedundancyOptimizer of the same class
+and groups, returned instead.
+
+An optimizer that was not given to run.setup would step tensors the strategy replaced (and train
+nothing), or steps outside the run (its state in no checkpoint): `OptimizerGuard` refuses its
+first step over a parameter of a model the run set up, in one line.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from multicard.base.errors import UserError
 from multicard.strategy.optim import OptimizerRecipe
@@ -21,10 +28,10 @@ if TYPE_CHECKING:
     from multicard.strategy.base import Strategy
 
 
-def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+def check_optimizer(optimizer: Any, names: dict[int, str]) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserError(f"run.setup(model, optimizer) got {type(optimizer).__name__} for the optimizer; "
-                        f"pass a torch.optim.Optimizer built on model.parameters()")  # fmt: skip
+        raise UserError(f"run.setup(model, optimizer) got {type(optimizer).__name__} for an optimizer; "
+                        f"pass torch.optim.Optimizer objects built on model.parameters()")  # fmt: skip
     if optimizer.state:
         raise UserError(
             "run.setup(model, optimizer) got an optimizer that has already stepped; build it anew on "
@@ -33,28 +40,84 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, names: d
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in names)
     if foreign:
         raise UserError(
-            f"the optimizer given to run.setup holds {foreign} tensor(s) that are not parameters of the model; "
-            f"build it on model.parameters() (or groups of them)"
+            f"an optimizer given to run.setup holds {foreign} tensor(s) that are not parameters of its model; "
+            f"build it on model.parameters() (or groups of them), one optimizer per model (run.setup each model)"
         )
 
 
 def prepare_model(
-    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """The model as the strategy runs it, and the optimizer that steps it."""
+    strategy: Strategy, model: nn.Module, optimizers: tuple[Any, ...], guard: OptimizerGuard
+) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    """The model as the strategy runs it, and the optimizers that step it."""
     if not isinstance(model, nn.Module):
         raise UserError(f"run.setup(model, ...) got {type(model).__name__}; pass a torch.nn.Module")
     names = {id(p): name for name, p in model.named_parameters()}
-    if optimizer is not None:
-        check_optimizer(model, optimizer, names)
+    for optimizer in optimizers:
+        check_optimizer(optimizer, names)
+    shards_state = getattr(getattr(strategy, "options", None), "shard_optimizer", False)
+    if shards_state and (len(optimizers) > 1 or guard.models):
+        raise UserError("ddp.shard_optimizer (ZeRO-1) shards the optimizer of one model; with several models or "
+                        "optimizers drop it, or use strategy='fsdp' (it shards every one)")  # fmt: skip
+    before = list(model.parameters())
     wrapped = strategy.prepare(model)
-    if optimizer is None:
-        return wrapped, None
     bare = strategy.unwrap(wrapped)
     current = dict(bare.named_parameters())
-    for group in optimizer.param_groups:  # the same tensors, or (fsdp) their sharded replacements
-        group["params"] = [current[names[id(p)]] for p in group["params"]]
-    groups = [dict(group) for group in optimizer.param_groups]
-    recipe = OptimizerRecipe(type(optimizer), groups, dict(optimizer.defaults))
-    shards_state = getattr(getattr(strategy, "options", None), "shard_optimizer", False)
-    return wrapped, strategy.make_optimizer(recipe, bare) if shards_state else optimizer
+    guard.watch(bare, before, optimizers)
+    stepping = []
+    for optimizer in optimizers:  # the same tensors, or their sharded or converted replacements
+        for group in optimizer.param_groups:
+            group["params"] = [current[names[id(p)]] for p in group["params"]]
+        if shards_state:
+            groups = [dict(group) for group in optimizer.param_groups]
+            recipe = OptimizerRecipe(type(optimizer), groups, dict(optimizer.defaults))
+            optimizer = strategy.make_optimizer(recipe, bare)
+        stepping.append(optimizer)
+    guard.allow(stepping)
+    return wrapped, stepping
+
+
+class OptimizerGuard:
+    """Refuses, at its first step, an optimizer run.setup was not given that holds a parameter of a
+    model the run set up, or one the strategy replaced: it would train nothing (fsdp, sync_bn) or
+    outside the run (its state in no checkpoint). One pre-step hook on every torch optimizer of the
+    process, while the run lasts; each optimizer is looked at once (again if its groups grow)."""
+
+    def __init__(self) -> None:
+        self.models = 0
+        # id → tensor, held weakly: the models' parameters and those the strategy replaced
+        self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._allowed: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._handle: Any = None
+        self.stepping = False  # inside run.step: its optimizer (and ZeRO-1's inner one) steps
+
+    def watch(self, bare: nn.Module, before: list[torch.Tensor], given: tuple[Any, ...]) -> None:
+        self.models += 1
+        for p in [*bare.parameters(), *before]:
+            self._params[id(p)] = p
+        if self._handle is None:
+            self._handle = register_optimizer_step_pre_hook(self._check)
+
+    def allow(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            self._allowed.add(optimizer)
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.stepping or optimizer in self._allowed:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self._seen.get(optimizer) == len(params):
+            return
+        self._seen[optimizer] = len(params)
+        if any(self._params.get(id(p)) is p for p in params):
+            raise UserError(
+                f"an optimizer ({type(optimizer).__name__}) over parameters of a model given to run.setup steps "
+                f"outside the run: the strategy may have replaced those parameters (fsdp, sync_bn: it would train "
+                f"nothing) and no checkpoint holds its state; give it to run.setup(model, optimizer, ...) and step "
+                f"it with run.step(optimizer)"
+            )
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

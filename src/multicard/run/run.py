@@ -86,33 +86,48 @@ class Run:
 
     # ------------------------------------------------------------ setting up
 
-    def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """Place, convert, compile and wrap `model` with the run's strategy; return it and the
-        optimizer that steps it (the same object, except under ZeRO-1). Build the scheduler after."""
-        if self.training.loop.model is not None:
-            raise UserError("run.setup was called twice; one Run trains one model (call it once)")
-        wrapped, stepping = prepare_model(self.runtime.strategy, model, optimizer)
-        self.training.attach(wrapped, stepping)
-        return wrapped, stepping
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """Place, convert, compile and wrap `model` with the run's strategy; return it, and the
+        optimizers that step it (the same objects, except under ZeRO-1): `model` alone, `(model,
+        optimizer)`, `(model, opt_a, opt_b)`. Once per model; a model without optimizer (a frozen
+        teacher) is placed and cast, not wrapped by DDP. Build LR schedulers from what it returns."""
+        training = self.training
+        if training.begun:
+            raise UserError("run.setup(...) after run.epochs(...) started; set up every model before the loop")
+        if any(t.bare is model or t.wrapped is model for t in training.loop.trained):
+            raise UserError("run.setup was called twice with the same model; set each model up once")
+        given = [o for o in optimizers if o is not None]
+        wrapped, stepping = prepare_model(self.runtime.strategy, model, tuple(given), training.guard)
+        training.attach(wrapped, stepping)
+        returned = iter(stepping)
+        out = [next(returned) if o is not None else None for o in optimizers]
+        return (wrapped, *out) if optimizers else wrapped
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module run.setup was given (placed, converted, compiled in place), without the
+        strategy's and precision's wrappers: its state dict has no `module.` prefix."""
+        return self.runtime.strategy.unwrap(model)
 
     def loader(
         self, dataset: Any, transform: Transform | None = None, collate_fn: Callable | None = None, *,
-        num_workers: int = 0,
+        num_workers: int = 0, order: str = "shuffle",
     ) -> Loader:  # fmt: skip
-        """This rank's micro-batches of `dataset` (map-style) for each epoch of run.epochs, on the
-        device. `transform(sample, generator)` draws its randomness from `generator`, keyed by
-        (seed, epoch, sample index). The first loader's length sets the steps per epoch."""
-        if self.training.begun:
+        """This rank's micro-batches of `dataset` (map-style) for each epoch, on the device.
+        `transform(sample, generator)` draws its randomness from `generator`, keyed by (seed, epoch,
+        sample index). `order`: "shuffle" (by seed and epoch), "sequential" (the dataset's order) or
+        "streams" (truncated BPTT: see Loader.carry). The first loader's length sets the steps per epoch."""
+        training = self.training
+        if training.begun:
             raise UserError("run.loader(...) after run.epochs(...) started; create the loaders before the loop")
         check_map_style(dataset, "run.loader")
         loader = Loader(
             dataset, transform, collate_fn, self.runtime.loader_processes(num_workers), self.runtime.split,
-            self.runtime.ctx, self.runtime.cfg.seed, self.training, self.runtime.strategy.precision.param_dtype,
+            self.runtime.ctx, self.runtime.cfg.seed, training, self.runtime.strategy.precision.param_dtype, order,
         )  # fmt: skip
         self.runtime.check_same_on_every_rank(dataset, "run.loader")
-        self.training.loaders.append(loader)
+        if order == "streams":
+            training.loop.components[f"streams{len(training.loaders)}"] = loader.carried
+        training.loaders.append(loader)
         return loader
 
     # ------------------------------------------------------------ training
@@ -122,14 +137,27 @@ class Run:
         world size), and each epoch ends with a checkpoint; a stop ends with one too."""
         return self.training.epochs(n)
 
+    def steps(self, n: int) -> Iterator[Any]:
+        """The training loader's micro-batches until `n` optimizer steps are done in all (epoch after
+        epoch of the data): a step-based loop. Resumes, checkpoints and stops as run.epochs does."""
+        return self.training.steps_of(n)
+
+    def every(self, n: int) -> bool:
+        """True in the code after the run.step that completed step k·n (evaluate every n steps)."""
+        return self.training.steps.every(n)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of this micro-batch's mean loss, as a share of the global batch's."""
         self.training.backpropagate(loss)
 
-    def step(self, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> bool:
-        """After the last micro-step of a global batch: clip, step, zero the gradients, step the
-        scheduler, count the step (checkpoints, logs, an agreed stop). Earlier: nothing; False."""
-        return self.training.step(optimizer, scheduler)
+    def step(
+        self, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, *,
+        clip_grad_norm: float | None = None,
+    ) -> bool:  # fmt: skip
+        """After the last micro-step of a global batch: clip (`clip_grad_norm`, else the Run's), step
+        `optimizer`, zero its gradients, step its scheduler; the global batch counts as a step of the
+        run (checkpoints, logs, an agreed stop once its code has ended). Earlier: nothing; False."""
+        return self.training.step(optimizer, scheduler, clip_grad_norm)
 
     def log(self, **values: Any) -> None:
         """Numbers (or one-element tensors) for the step and epoch records; call it on every rank."""

@@ -1,12 +1,19 @@
 """The training side of a Run: its loop (multicard.engine.loop, the step `multicard train` takes too),
-the epochs with resume and epoch-end checkpoints, the micro-steps its loaders announce, the
-agreed stop, and the console, metrics and trackers the command line uses.
+the epochs (or steps) with resume and epoch-end checkpoints, the micro-steps its loaders announce,
+the agreed stop, and the console, metrics and trackers the command line uses.
 
-A step ends where the user's code for it ends: at the next batch, backward or epoch end. Its
-checkpoint (every checkpoint_every steps, or at an agreed stop) is written then, so it holds
-what the code after run.step changed (run.state, random streams), as a resumed run needs it.
-A stop agreed on an epoch's last step waits for the epoch's end (the user's evaluation), then
-saves the epoch and stops, as `multicard train` does; any other stop saves the step and stops.
+A step is one global batch of the training loader, whatever number of optimizers stepped in it,
+and it ends where the user's code for the batch ends: at the next batch, at the end of the
+loader's epoch, or at run.save. Then the step is counted in the records, its checkpoint is
+written (every checkpoint_every steps, or at an agreed stop) and a stop takes effect: never
+between two optimizers' updates of one batch, and holding what the code after run.step changed
+(run.state, random streams), as a resumed run needs it. A stop agreed on an epoch's last step
+waits for the epoch's end (the user's evaluation), then saves the epoch and stops, as `multicard
+train` does; any other stop saves the step and stops.
+
+Every way out of a loop ends: `break` out of the batches ends the epoch there (the next epoch
+starts at its first batch; the run still ends after its epochs), a loader iterated twice in one
+epoch is refused, and each step polls the stop.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from multicard.checkpoint import Checkpointer, RunFacts
 from multicard.engine.loop import Hooks, Loop, Position, Schedule, StepEnd
 from multicard.run.ending import on_error
 from multicard.run.logbook import Logbook
+from multicard.run.preparation import OptimizerGuard
 from multicard.run.session import start_line
 from multicard.run.settings import saved_config
 from multicard.run.state import Monitor, UserState
+from multicard.run.stepping import Steps
 
 if TYPE_CHECKING:
     from multicard.run.loading import Loader
@@ -39,6 +48,8 @@ class Training:
         cfg = runtime.cfg
         schedule = Schedule(0, 0, cfg.train.grad_accum, cfg.log_every, clip_grad_norm=cfg.clip_grad_norm)
         self.loop = Loop(runtime.strategy, schedule, runtime.stop)
+        self.guard = OptimizerGuard()
+        self.steps = Steps(self.loop, self.guard)
         self.state = UserState()
         self.monitor = Monitor(best, best_mode)
         self.logbook = Logbook(self.loop, cfg.train.global_batch_size)
@@ -47,29 +58,29 @@ class Training:
         self.loaders: list[Loader] = []
         self.checkpointer: Checkpointer | None = None
         self.begun = self.ended = False
+        self.last_step = 0  # where the epoch in progress ends
         self._micro: int | None = None  # the micro-step of the batch the user holds (from a loader)
         self._micro_context = ExitStack()
-        self._backwards = 0  # run.backward calls since the last optimizer step
         self._deferred: Stopped | None = None  # a stop agreed on an epoch's last step
-        self._step_end: StepEnd | None = None  # the last step, until the user's code for it has run
-        self._scheduler_state: dict[str, Any] | None = None  # a resumed scheduler's, until it is given
+        self._replaying = False  # an epoch resumed in the middle, before its first batch
         runtime.watch(self.loop)
         on_error(self._failed)
 
     def _failed(self, exc: BaseException) -> None:
-        """Before the process ends on a stop or an error of its own: writes complete, sinks closed
-        (not on a lost peer: a pending write's barrier would wait for it)."""
+        """Before the process ends on a stop or an error of its own: writes complete, sinks closed."""
         if isinstance(exc, (MulticardError, KeyboardInterrupt)):
             self.finish(exc)
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.loop.attach(model, optimizer)
+    def attach(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.loop.add(model, optimizers)
 
     # ------------------------------------------------------------ what loaders announce (loading.MicroSteps)
 
     def begin_micro(self, micro: int) -> None:
+        # The resumed epoch's first batch: its start has run again (run.state).
+        self._replaying = self._replaying and self.state.replaying(False)
         self.end_micro()
-        if self.loop.model is not None:
+        if self.loop.trained:
             self._micro_context.enter_context(self.loop.micro_step(micro))
         self._micro = micro
 
@@ -81,70 +92,98 @@ class Training:
         self.loop.clock.enter(phase)
 
     def settle(self) -> None:
-        """The user's code for the last step has run: tell the callbacks (its checkpoint, if one is
-        due), and stop there if the ranks agreed to (at an epoch's last step: after the epoch)."""
-        if self._step_end is None:
+        """The user's code for the last global batch has run: count its step in the records, tell
+        the callbacks (its checkpoint, if one is due), and stop there if the ranks agreed to (at an
+        epoch's last step: after the epoch)."""
+        if not self.steps.counted:
             return
-        step, self._step_end = self._step_end, None
-        self.loop.hooks.on_step_end(self.loop, step)
-        if step.stop_signal:
-            self._stop(Stopped(step.stop_signal, step.global_step), defer=step.last_in_epoch)
+        loop = self.loop
+        self.steps.end_batch()
+        times, signum = loop.end_step()
+        self.logbook.add_step(times)
+        pos = loop.position
+        ends = pos.step_in_epoch >= self.last_step
+        if pos.global_step % loop.schedule.log_every == 0 or ends or signum:
+            loop.hooks.on_log(loop, self.logbook.step_record(self._lr()))
+        loop.hooks.on_step_end(loop, StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, ends, times, signum))
+        if signum:
+            self._stop(Stopped(signum, pos.global_step), defer=ends)
 
-    # ------------------------------------------------------------ epochs
+    # ------------------------------------------------------------ epochs and steps
 
     def epochs(self, n: int) -> Iterator[int]:
-        self._begin(n)
+        self._begin(n, "run.epochs")
         return self._epochs()
 
-    def _begin(self, n: int) -> None:
+    def steps_of(self, n: int) -> Iterator[Any]:
+        self._begin(n, "run.steps")
+        return self._steps()
+
+    def _begin(self, n: int, what: str) -> None:
         loop, rt = self.loop, self.rt
         if self.begun:
-            raise UserError("run.epochs(...) was called twice; loop over one `for epoch in run.epochs(N)`")
+            raise UserError(f"{what}(...) was called twice; loop over one `for ... in run.epochs(N)` or run.steps(N)")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UserError(f"run.epochs({n!r}): give the number of epochs, an integer >= 1")
-        if loop.model is None or loop.optimizer is None:
-            raise UserError("run.epochs(...) before run.setup(model, optimizer): set up the model and optimizer first")
+            raise UserError(f"{what}({n!r}): give the number of {what[4:]}, an integer >= 1")
+        if not loop.steppers:
+            raise UserError(f"{what}(...) before run.setup(model, optimizer): set up the model and optimizer first")
         if not self.loaders:
-            raise UserError("run.epochs(...) before run.loader(train_set): the training loader sets an epoch's steps")
+            raise UserError(f"{what}(...) before run.loader(train_set): the training loader sets an epoch's steps")
         spe = self.loaders[0].steps_per_epoch
-        rt.cfg = cfg = dataclasses.replace(rt.cfg, train=dataclasses.replace(rt.cfg.train, epochs=n))
-        loop.schedule = dataclasses.replace(loop.schedule, steps_per_epoch=spe, total_steps=cfg.train.run_length(spe))
+        rt.cfg = cfg = dataclasses.replace(rt.cfg, train=run_length(rt.cfg.train, n, what, spe))
+        steps = cfg.train.run_length(spe)
+        epochs = n if what == "run.epochs" else 0
+        loop.schedule = dataclasses.replace(loop.schedule, steps_per_epoch=spe, total_steps=steps, epochs=epochs)
         rt.parts.facts = RunFacts(saved_config(cfg), [], spe, rt.ctx.world_size, script=rt.script)
         self.checkpointer = rt.parts.checkpointer
-        resume_from = self.checkpointer.choose(cfg.train.resume)
-        state = self.checkpointer.restore(resume_from, loop) if resume_from is not None else None
-        if state is not None:
-            self._scheduler_state = state.get("scheduler")
-        rt.started = self.begun = True
-        resumed = (resume_from, state["step"]) if resume_from is not None and state is not None else None
-        line = start_line(rt.strategy, cfg.precision, rt.split, f"script={rt.script}")
-        rt.parts.announce(line, loop, resumed, config=saved_config(cfg))
-        logs = rt.parts.logs(resumed[1] if resumed is not None else None, loader="user")
-        loop.hooks = Hooks([self.checkpointer, *logs])
-        loop.hooks.on_fit_start(loop)
+        start(self, self.checkpointer)
 
     def _epochs(self) -> Iterator[int]:
-        loop = self.loop
-        while not loop.finished:
-            pos = loop.position
-            last = loop.schedule.steps_in_epoch(pos.epoch)
-            for loader in self.loaders:
-                loader.set_epoch(pos.epoch, pos.step_in_epoch, last)
-            self.logbook.start_epoch(fresh=pos.step_in_epoch == 0)
-            yield pos.epoch
+        while not self.loop.finished:
+            self._start_epoch()
+            yield self.loop.position.epoch
             self._end_epoch()
         self.finish(None)
+
+    def _steps(self) -> Iterator[Any]:
+        """The training loader's micro-batches, epoch after epoch, until the run's steps are done."""
+        while not self.loop.finished:
+            before = self._start_epoch()
+            yield from self.loaders[0]
+            if self.loop.position.global_step == before and len(self.loaders[0]):
+                raise UserError("run.steps(N): a pass over the training data took no optimizer step; call "
+                                "run.backward(loss) and run.step(optimizer) for its batches")  # fmt: skip
+            self._end_epoch()
+        self.finish(None)
+
+    def _start_epoch(self) -> int:
+        pos = self.loop.position
+        self.last_step = self.loop.schedule.last_step(pos)
+        for loader in self.loaders:
+            loader.set_epoch(pos.epoch, pos.step_in_epoch, self.last_step)
+        self.logbook.start_epoch(fresh=pos.step_in_epoch == 0)
+        self._replaying = pos.step_in_epoch > 0
+        self.state.replaying(self._replaying)
+        return pos.global_step
 
     def _end_epoch(self) -> None:
         """Record the epoch, keep the best, move to the next epoch, save; then a deferred stop."""
         loop, pos = self.loop, self.loop.position
         self.end_micro()
         self.settle()
+        self._replaying = self._replaying and self.state.replaying(False)
+        if self.steps.drop_partial():
+            self.rt.reporter.print(f"warning: epoch {pos.epoch} ended in the middle of a global batch (a break "
+                                   f"between its micro-steps?); their gradients were dropped")  # fmt: skip
+        if self.logbook.steps_since_record:  # an epoch left early: its last steps' record first
+            loop.hooks.on_log(loop, self.logbook.step_record(self._lr()))
         record = self.logbook.epoch_record(self._lr())
         best = self.monitor.update(record, self.rt.reporter.print)
-        cut = loop.finished and pos.step_in_epoch < loop.schedule.steps_per_epoch  # max_steps ended it early
-        if not cut:
+        cut = pos.global_step >= loop.schedule.total_steps and pos.step_in_epoch < loop.schedule.steps_per_epoch
+        if not cut:  # else max_steps ended the run inside the epoch: a longer rerun continues it there
             loop.position = Position(pos.epoch + 1, 0, pos.global_step, pos.best_top1)
+        for loader in self.loaders:
+            loader.end_epoch()
         loop.hooks.on_epoch_end(loop, record, None, best)
         if self._deferred is not None:
             stopped, self._deferred = self._deferred, None
@@ -152,48 +191,23 @@ class Training:
             raise stopped
 
     def _lr(self) -> float:
-        return float(self.loop.optimizer.param_groups[0]["lr"]) if self.loop.optimizer is not None else 0.0
+        return lr_of(self.loop)
 
     # ------------------------------------------------------------ steps
 
     def _require_training(self, what: str) -> None:
-        if self.loop.model is None:
-            raise UserError(f"{what} before run.setup(model, optimizer): call run.setup first, train what it returns")
-        if not self.begun:
-            raise UserError(f"{what} outside `for epoch in run.epochs(N)`: train in that loop (it resumes and saves)")
+        require_training(what, bool(self.loop.trained), self.begun)
 
     def backpropagate(self, loss: torch.Tensor) -> None:
         self._require_training("run.backward(loss)")
-        self.settle()
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise UserError("run.backward(loss) takes the loss: one number that needs gradients (e.g. a mean)")
+        if self._micro is None:  # a batch not drawn from run.loader: a backward after a step begins the next
+            self.settle()
+        self.steps.backpropagate(loss)
         self.logbook.watch_loss(loss)
-        self.loop.backpropagate(loss)
-        self._backwards += 1
 
-    def step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> bool:
-        loop = self.loop
+    def step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any, clip: float | None) -> bool:
         self._require_training("run.step(...)")
-        if optimizer is not None and optimizer is not loop.optimizer:
-            raise UserError("run.step(optimizer) got another optimizer than run.setup returned; step that one")
-        if scheduler is not None and scheduler is not loop.scheduler:
-            self._attach_scheduler(scheduler)
-        if self._backwards == 0:
-            raise UserError("run.step(...) without run.backward(loss) since the last step; call run.backward first")
-        accum = loop.schedule.grad_accum
-        if (self._micro if self._micro is not None else self._backwards - 1) < accum - 1:
-            return False  # a micro-step of the global batch: its gradients wait for the others
-        loop.optimizer_step()
-        self._backwards = 0
-        loop.count_step()
-        times, signum = loop.end_step()
-        self.logbook.add_step(times)
-        pos = loop.position
-        ends = pos.step_in_epoch >= loop.schedule.steps_in_epoch(pos.epoch)
-        if pos.global_step % loop.schedule.log_every == 0 or ends or signum:
-            loop.hooks.on_log(loop, self.logbook.step_record(self._lr()))
-        self._step_end = StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, ends, times, signum)
-        return True
+        return self.steps.step(optimizer, scheduler, clip, self._micro)
 
     def _stop(self, stopped: Stopped, defer: bool) -> None:
         if defer:  # the epoch's last step: its end (evaluation, checkpoint) comes first
@@ -201,10 +215,6 @@ class Training:
             return
         self.loop.hooks.on_stop(self.loop, stopped)
         raise stopped
-
-    def _attach_scheduler(self, scheduler: Any) -> None:
-        attach_scheduler(self.loop, scheduler, self._scheduler_state)
-        self._scheduler_state = None
 
     def save(self) -> Any:
         self._require_training("run.save()")
@@ -230,16 +240,48 @@ class Training:
             self.finish(None)
         for loader in self.loaders:
             loader.close()
+        self.guard.close()
 
 
-def attach_scheduler(loop: Loop, scheduler: Any, saved: dict[str, Any] | None) -> None:
-    """The LR scheduler the user's first run.step gives; in a resumed run, at the `saved` state."""
-    if loop.scheduler is not None:
-        raise UserError("run.step got another scheduler than before; pass the same one at every step")
-    if getattr(scheduler, "optimizer", loop.optimizer) is not loop.optimizer:
-        raise UserError("the scheduler steps another optimizer than run.setup returned; build it from that one")
-    loop.scheduler = scheduler
-    if saved is not None:  # continue the schedule where it was, with the learning rates it had set
-        scheduler.load_state_dict(saved)
-        for group, lr in zip(loop.optimizer.param_groups, scheduler.get_last_lr(), strict=False):  # type: ignore[union-attr]
-            group["lr"] = lr
+def start(training: Training, checkpointer: Checkpointer) -> None:
+    """Resume from the newest checkpoint (or the one `resume` names), say so, open the sinks."""
+    loop, rt, cfg = training.loop, training.rt, training.rt.cfg
+    resume_from = checkpointer.choose(cfg.train.resume)
+    state = checkpointer.restore(resume_from, loop) if resume_from is not None else None
+    if state is not None:
+        training.steps.saved_schedulers = saved_schedulers(state)
+    rt.started = training.begun = True
+    resumed = (resume_from, state["step"]) if resume_from is not None and state is not None else None
+    line = start_line(rt.strategy, cfg.precision, rt.split, f"script={rt.script}")
+    rt.parts.announce(line, loop, resumed, config=saved_config(cfg))
+    logs = rt.parts.logs(resumed[1] if resumed is not None else None, loader="user")
+    loop.hooks = Hooks([checkpointer, *logs])
+    loop.hooks.on_fit_start(loop)
+
+
+def run_length(train: Any, n: int, what: str, steps_per_epoch: int) -> Any:
+    """train.epochs and train.max_steps of run.epochs(n) or run.steps(n) (its epochs: as many as it takes)."""
+    if what == "run.epochs":
+        return dataclasses.replace(train, epochs=n)
+    if train.max_steps and train.max_steps != n:
+        raise UserError(f"run.steps({n}) with Run(max_steps={train.max_steps}): give the steps once, to run.steps")
+    return dataclasses.replace(train, epochs=-(-n // steps_per_epoch), max_steps=n)
+
+
+def require_training(what: str, set_up: bool, begun: bool) -> None:
+    if not set_up:
+        raise UserError(f"{what} before run.setup(model, optimizer): call run.setup first, train what it returns")
+    if not begun:
+        raise UserError(f"{what} outside `for epoch in run.epochs(N)`: train in that loop (it resumes and saves)")
+
+
+def lr_of(loop: Loop) -> float:
+    return float(loop.optimizer.param_groups[0]["lr"]) if loop.optimizer is not None else 0.0
+
+
+def saved_schedulers(state: dict[str, Any]) -> dict[int, Any]:
+    """The LR schedulers' states a checkpoint holds, by optimizer (index of setup), until each is given."""
+    saved = {int(k): v for k, v in state.get("schedulers", {}).items()}
+    if "scheduler" in state:
+        saved[0] = state["scheduler"]
+    return saved

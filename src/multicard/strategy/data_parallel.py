@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, Strategy
-from multicard.strategy.precision import Precision
+from multicard.strategy.precision import PassThrough, Precision
 
 
 class DataParallelStrategy(Strategy):
@@ -24,4 +24,8 @@ class DataParallelStrategy(Strategy):
         return [torch.device("cuda", i) for i in self.gpus]
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return nn.DataParallel(model, device_ids=self.gpus, output_device=self.gpus[0])
+        return DataParallel(model, device_ids=self.gpus, output_device=self.gpus[0])
+
+
+class DataParallel(PassThrough, nn.DataParallel):
+    """torch's DataParallel, through which the wrapped module's own methods and attributes stay reachable."""

@@ -19,7 +19,7 @@ from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, StateDict
 from multicard.strategy.collectives import DistributedStrategy
 from multicard.strategy.optim import OptimizerRecipe
-from multicard.strategy.precision import Precision
+from multicard.strategy.precision import PassThrough, Precision
 
 _DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
 
@@ -40,10 +40,14 @@ class DDPStrategy(DistributedStrategy):
         self._recipe: OptimizerRecipe | None = None  # what ZeRO-1 shards (for a template of the whole state)
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP around the model; a model with nothing to train (a frozen teacher) has no gradients
+        to reduce and stays as it is (DDP refuses it)."""
+        if not any(p.requires_grad for p in model.parameters()):
+            return model
         knobs = self.options
         # Newer torch renamed broadcast_buffers; pass the knob under whichever name it knows.
         buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"
-        ddp = nn.parallel.DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
             bucket_cap_mb=knobs.bucket_cap_mb,
@@ -95,6 +99,10 @@ class DDPStrategy(DistributedStrategy):
         # Every rank reads the whole state and keeps its share (load_state_dict edits what it is given).
         optimizer.load_state_dict(indexed_optimizer_state(copy.deepcopy(optim_state), self._optimizer_order))
         return None
+
+
+class DistributedDataParallel(PassThrough, nn.parallel.DistributedDataParallel):
+    """torch's DDP, through which the wrapped module's own methods and attributes stay reachable."""
 
 
 def named_optimizer_state(state: StateDict, order: list[str]) -> StateDict:

@@ -125,7 +125,8 @@ class FSDPStrategy(DistributedStrategy):
         whole = StateDictOptions(full_state_dict=True)
         # Two calls, not set_state_dict: its broadcast_from_rank0 path deadlocks when ranks differ.
         set_model_state_dict(bare, model_state, options=whole)
-        set_optimizer_state_dict(bare, optimizer, optim_state, options=whole)
+        if optimizer:  # [] : the model's state alone (a model of the run that no optimizer steps)
+            set_optimizer_state_dict(bare, optimizer, optim_state, options=whole)
         return None
 
 

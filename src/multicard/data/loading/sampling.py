@@ -43,6 +43,40 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=g)
 
 
+def sequential_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """Every epoch in the dataset's own order (a loader that does not shuffle)."""
+    return torch.arange(num_samples)
+
+
+def streams_order(split: BatchSplit) -> Callable[[int, int, int], torch.Tensor]:
+    """Contiguous streams, as the classic `batchify` of truncated backpropagation through time makes
+    them: the dataset (consecutive segments of a sequence) is cut into S = global_batch/grad_accum
+    streams of L = num_samples // S consecutive samples, stream j being samples j·L .. j·L+L-1.
+    Micro-step m of optimizer step s takes segment s·grad_accum + m of every stream, and each rank
+    its contiguous share of the streams — the same streams at every step and micro-step, so a rank
+    carries each stream's state (an RNN's hidden state) from one batch to the next. The global
+    batches are the same at any world size; what a rank holds is 1/world_size of the streams."""
+    streams, accum = split.global_batch // split.grad_accum, split.grad_accum
+
+    def order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+        length = num_samples // streams
+        steps = length // accum
+        s = torch.arange(steps).view(-1, 1, 1)
+        m = torch.arange(accum).view(1, -1, 1)
+        j = torch.arange(streams).view(1, 1, -1)
+        return (j * length + s * accum + m).reshape(-1)
+
+    return order
+
+
+ORDERS = ("shuffle", "sequential", "streams")  # what a user's loader may ask for (run.loader's `order`)
+
+
+def sample_order(name: str, split: BatchSplit) -> Callable[[int, int, int], torch.Tensor]:
+    """The epoch order a loader's `order` names: shuffled by (seed, epoch), in order, or in streams."""
+    return {"shuffle": epoch_permutation, "sequential": sequential_order}.get(name) or streams_order(split)
+
+
 def repeated_order(perm: torch.Tensor, global_batch: int, repeats: int) -> torch.Tensor:
     """Repeated augmentation: each global batch holds global_batch/repeats samples of `perm`, in
     order, `repeats` times; copy j of sample i is named j·N + i (its augmentation differs) and
