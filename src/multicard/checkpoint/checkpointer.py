@@ -52,7 +52,8 @@ if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding st
 
 # The parts of the trainer's state a checkpoint holds at its top level (what eval, export and
 # fine-tuning read); the rest (position, random streams) is under "resume", with the run's facts.
-TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "ema")  # ema: where the run keeps one
+# ema: where the run keeps one; models, optimizers, schedulers: a run's others (multicard.Run)
+TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "ema", "models", "optimizers", "schedulers")
 PROBE_BYTES = 2**20  # the test write that measures the link to object storage at start-up
 
 

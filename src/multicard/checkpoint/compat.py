@@ -56,7 +56,8 @@ def schedule_stretch(meta: dict[str, Any], config: dict[str, Any]) -> str | None
     (cosine: the rest of the decay is spread over the new length), or None."""
     spe = meta["resume"]["steps_per_epoch"]
     old, new = _train_of(meta["config"]).run_length(spe), _train_of(config).run_length(spe)
-    if old == new or config["sched"]["name"] != "cosine":
+    # A user's loop (multicard.Run) has no sched section: its schedule is the script's own.
+    if old == new or config.get("sched", {}).get("name") != "cosine":
         return None
     return (
         f"warning: the run length changed from {old} to {new} steps ({_length_setting(_train_of(config), spe)}): "

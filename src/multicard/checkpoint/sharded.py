@@ -30,7 +30,8 @@ from multicard.runtime.process_group import ProcessContext
 PREFIX = "step-"
 COMPLETE = "COMPLETE"  # written last, by rank 0, after every shard and train_state.pt
 TRAIN_STATE = "train_state.pt"
-TENSORS = ("model", "optimizer", "ema")  # what DCP shards (ema: where the run keeps one); the rest: train_state.pt
+# What DCP shards (ema: where the run keeps one; models, optimizers: a run's others); the rest: train_state.pt
+TENSORS = ("model", "optimizer", "ema", "models", "optimizers")
 
 
 class Incomplete(UserError):

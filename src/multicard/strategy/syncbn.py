@@ -36,8 +36,16 @@ def _summed_gradient(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-class GlobalBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm2d whose training statistics are summed over all ranks of the default group."""
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class GlobalBatchNorm(nn.BatchNorm2d):
+    """BatchNorm (of 1d, 2d or 3d inputs) whose training statistics are summed over all ranks of the
+    default group."""
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected an input of at least 2 dimensions (N, C, ...), got {x.dim()}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -51,7 +59,7 @@ class GlobalBatchNorm2d(nn.BatchNorm2d):
                 unbiased = var * (n / (n - 1).clamp_min(1))
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
-        shape = (1, x.shape[1], 1, 1)
+        shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
@@ -59,26 +67,31 @@ class GlobalBatchNorm2d(nn.BatchNorm2d):
 
 
 def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`x` (N, C, H, W) minus its per-channel mean over all ranks; that mean, the (biased)
+    """`x` (N, C, ...) minus its per-channel mean over all ranks; that mean, the (biased)
     variance and the count.
 
     Two passes, as one process's BatchNorm computes them: the mean first, then the mean of the
     squared deviations from it. The one-pass E[x²] − E[x]² loses the digits of mean²/var
     (cancellation): with mean 10⁴ × std, 8 of float64's 16 and all of float32's."""
     c = x.shape[1]
+    dims, shape = (0, *range(2, x.dim())), (1, c) + (1,) * (x.dim() - 2)
     count = torch.full((1,), x.numel() / c, dtype=x.dtype, device=x.device)
-    total = _sum_over_ranks(torch.cat([x.sum((0, 2, 3)), count]))
+    total = _sum_over_ranks(torch.cat([x.sum(dims), count]))
     n = total[-1]
     mean = total[:c] / n
-    centred = x - mean.view(1, c, 1, 1)
-    var = _sum_over_ranks((centred * centred).sum((0, 2, 3))) / n
+    centred = x - mean.view(shape)
+    var = _sum_over_ranks((centred * centred).sum(dims)) / n
     return centred, mean, var, n
 
 
+GlobalBatchNorm2d = GlobalBatchNorm  # the name it had when it took 2d inputs only
+
+
 def convert_global_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every BatchNorm2d in `module` by GlobalBatchNorm2d, keeping its state."""
-    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, GlobalBatchNorm2d):
-        new = GlobalBatchNorm2d(
+    """Replace every BatchNorm (1d, 2d, 3d) in `module` by GlobalBatchNorm, keeping its state, as
+    torch's convert_sync_batchnorm does on GPUs."""
+    if isinstance(module, BATCH_NORMS) and not isinstance(module, GlobalBatchNorm):
+        new = GlobalBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
         )
         like = next(t for t in module.state_dict().values() if t.is_floating_point())
