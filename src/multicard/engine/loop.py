@@ -176,11 +176,13 @@ class GradientWatch:
         if self.unused_ok or self.pending <= 0 or self.pending == self.count:
             return
         missing = [name for i, name in enumerate(self.names) if i not in self.arrived]
-        raise UserError(
+        error = UserError(
             f"{len(missing)} parameter(s) got no gradient in this backward under ddp (e.g. {missing[0]}), so DDP "
             f"would wait for them forever; set options={{'ddp.find_unused_parameters': True}} (config "
             f"ddp.find_unused_parameters=true), or freeze them (requires_grad=False) before run.setup"
         )
+        error.every_rank = True  # the same model on every rank: rank 0 says it
+        raise error
 
 
 @dataclass(eq=False)

@@ -55,7 +55,8 @@ def evaluate_sums(
     progress: Callable[[], None],
 ) -> Scores:  # fmt: skip
     """Sums of `metric_fn` over `batches` ((batch, samples in it) pairs of this rank), reduced over
-    ranks; `model` as given (unwrapped by the caller: DDP's forward would sync with the others)."""
+    ranks; `model` as given (unwrapped by the caller: DDP's forward would sync with the others). A
+    batch of 0 samples runs its forward only (every rank makes as many)."""
     device = strategy.ctx.device
     was_training = model.training
     model.eval()
@@ -66,7 +67,7 @@ def evaluate_sums(
             values = metric_fn(model, move_to(batch, device, strategy.precision.param_dtype))
         if not isinstance(values, dict):
             raise UserError(f"metric_fn returned {type(values).__name__}; return a dict such as {{'correct': ...}}")
-        for name, value in values.items():
+        for name, value in values.items() if count else ():
             totals[name] = totals.get(name, 0) + _sum(name, value, device)
         samples += count
         progress()

@@ -24,7 +24,14 @@ from torch.utils.data import default_collate
 
 from multicard.base.errors import UserError
 from multicard.data.loading.keyed import KeyedSamples, Transform, move_to
-from multicard.data.loading.sampling import ORDERS, BatchSplit, ShardedBatchSampler, eval_batches, sample_order
+from multicard.data.loading.sampling import (
+    ORDERS,
+    BatchSplit,
+    ShardedBatchSampler,
+    eval_batch_count,
+    eval_batches,
+    sample_order,
+)
 from multicard.data.loading.workers import EpochKeys, EvalKeys, data_loader
 from multicard.engine.phases import DATA, FORWARD
 from multicard.runtime.process_group import ProcessContext
@@ -195,9 +202,15 @@ def _rows(saved: dict[str, Any], start: int, rows: int, device: torch.device) ->
 def eval_loader(
     dataset: Any, batch_size: int, transform: Transform | None, collate_fn: Callable | None, num_workers: int,
     ctx: ProcessContext, seed: int,
-) -> Any:  # fmt: skip
-    """This rank's share of `dataset` in batches, each sample once over all ranks, as many batches
-    on every rank (a DataLoader; batches stay on the CPU until moved)."""
-    keys = EvalKeys(eval_batches(len(dataset), ctx.rank, ctx.world_size, batch_size))
+) -> tuple[Any, list[int]]:  # fmt: skip
+    """This rank's share of `dataset` in batches, each sample once over all ranks (a DataLoader;
+    batches stay on the CPU until moved), and how many samples of each batch count. Every rank
+    gets as many batches — under fsdp each forward gathers the parameters with all ranks — so a
+    rank whose share is short (fewer samples than ranks) adds batches of one sample that count 0."""
+    batches = eval_batches(len(dataset), ctx.rank, ctx.world_size, batch_size)
+    padding = eval_batch_count(len(dataset), ctx.world_size, batch_size) - len(batches) if len(dataset) else 0
+    counts = [len(b) for b in batches] + [0] * padding
+    keys = EvalKeys(batches + [range(0, 1)] * padding)
     samples = KeyedSamples(dataset, transform, seed)
-    return data_loader(samples, keys, num_workers, ctx.device, seed, ctx.rank, collate_fn or default_collate)
+    loader = data_loader(samples, keys, num_workers, ctx.device, seed, ctx.rank, collate_fn or default_collate)
+    return loader, counts

@@ -178,11 +178,11 @@ class Run:
         rt = self.runtime
         check_map_style(dataset, "run.evaluate")
         size = batch_size or rt.split.micro_batch
-        loader = eval_loader(dataset, size, transform, collate_fn, rt.loader_processes(num_workers), rt.ctx,
-                             rt.cfg.seed)  # fmt: skip
+        loader, counts = eval_loader(dataset, size, transform, collate_fn, rt.loader_processes(num_workers), rt.ctx,
+                                     rt.cfg.seed)  # fmt: skip
         bare = rt.strategy.unwrap(model)  # DDP's forward would wait for the other ranks' forwards
         rt.strategy.agree_buffers(bare)  # rank 0's BatchNorm statistics, as checkpoints hold them
-        batches = zip(loader, (len(keys) for keys in loader.batch_sampler), strict=True)
+        batches = zip(loader, counts, strict=True)
         clock = self.training.loop.clock
         clock.set_phase(EVALUATION)
         try:

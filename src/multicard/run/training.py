@@ -233,6 +233,8 @@ class Training:
                 self.settle()  # the last step's due checkpoint
             self.loop.ending = ending
             self.loop.hooks.on_fit_end(self.loop)
+            if ending is None and self.rt.stop is not None:
+                self.rt.stop.training_ended(complete=self.loop.finished)
 
     def close(self, settle: bool = True) -> None:
         """`settle`: the script ended normally (else nothing that waits for the other ranks runs)."""

@@ -131,6 +131,7 @@ class GracefulStop(Handlers):
         self._polls = 0
         self._pending: Callable[[], int] | None = None
         self._previous: dict[int, Any] = {}
+        self.ended: bool | None = None  # training over: None not yet, True complete, False left early
 
     def __enter__(self) -> GracefulStop:
         for sig in HANDLED_SIGNALS:
@@ -142,14 +143,26 @@ class GracefulStop(Handlers):
         if exc_type is not None and issubclass(exc_type, Stopped):
             return  # stopping: keep handling signals until exit (a second Ctrl-C still quits at once)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if self.ended is None or sig == signal.SIGINT:  # else a stop after training ends with its line
+                signal.signal(sig, handler)
         if self._pending is not None and exc_type is None:
             self._pending()  # a clean end: complete the collective every rank started
         self._pending = None
 
+    def training_ended(self, complete: bool) -> None:
+        """From here on a stop signal has nothing left to save: it ends the process at once, with
+        one line, 0 if training completed (every step and its checkpoint done), else 128 + the signal."""
+        self.ended = complete
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGQUIT:
             quit_now(signum, stacks=True)
+        if self.ended is not None and signum != signal.SIGINT:
+            name = signal.Signals(signum).name
+            done = "training is complete" if self.ended else "training had ended; rerun to continue it"
+            if self.announce:  # one rank says it
+                print(f"multicard: {name} after the last step: {done}, its checkpoints are written", file=sys.stderr)
+            raise SystemExit(0 if self.ended else ExitCode.for_signal(signum))
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             quit_now(signum, stacks=False)  # a second Ctrl-C: do not wait for the checkpoint
         if not self.signum and self.announce:

@@ -170,6 +170,12 @@ def eval_shard(num_samples: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def eval_batch_count(num_samples: int, world_size: int, batch_size: int) -> int:
+    """Batches of the largest rank's share of the evaluation set."""
+    largest = -(-num_samples // world_size)  # ceil
+    return -(-largest // batch_size)
+
+
 def eval_batches(num_samples: int, rank: int, world_size: int, batch_size: int) -> list[range]:
     """This rank's share of the evaluation set in batches of at most `batch_size`, as many on every
     rank (the largest share's count): under fsdp every forward gathers parameters with all ranks,
@@ -177,8 +183,7 @@ def eval_batches(num_samples: int, rank: int, world_size: int, batch_size: int) 
     as equal as they can be; only a rank whose share is smaller than that count (a dataset with
     fewer samples than ranks) gets fewer."""
     shard = eval_shard(num_samples, rank, world_size)
-    largest = -(-num_samples // world_size)  # ceil
-    count = -(-largest // batch_size)
+    count = eval_batch_count(num_samples, world_size, batch_size)
     base, extra = divmod(len(shard), max(1, count))
     batches, start = [], shard.start
     for i in range(count):
