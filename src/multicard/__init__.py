@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from multicard.base.errors import Stopped  # what a graceful stop raises (not a KeyboardInterrupt)
 from multicard.base.version import __version__
 
 if TYPE_CHECKING:
     from multicard.run import Run, Scores
 
-__all__ = ["Run", "Scores", "__version__"]
+__all__ = ["Run", "Scores", "Stopped", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

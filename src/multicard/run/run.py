@@ -40,6 +40,7 @@ from multicard.run.preparation import prepare_model
 from multicard.run.runtime import Runtime
 from multicard.run.settings import in_arguments, run_config
 from multicard.run.training import Training
+from multicard.run.weights import checkpoint_path, load_weights
 
 
 class Run:
@@ -98,7 +99,7 @@ class Run:
             raise UserError("run.setup was called twice with the same model; set each model up once")
         given = [o for o in optimizers if o is not None]
         wrapped, stepping = prepare_model(self.runtime.strategy, model, tuple(given), training.guard)
-        training.attach(wrapped, stepping)
+        training.loop.add(wrapped, stepping)
         returned = iter(stepping)
         out = [next(returned) if o is not None else None for o in optimizers]
         return (wrapped, *out) if optimizers else wrapped
@@ -166,6 +167,12 @@ class Run:
     def save(self) -> Path:
         """A checkpoint of this step now (every rank calls it)."""
         return self.training.save()
+
+    def load_weights(self, model: nn.Module, checkpoint: str = "best") -> None:
+        """The weights a checkpoint holds of the run's model, loaded into `model` (as run.setup
+        returned it): "best" (the epoch `best` points at), "last", or a checkpoint's path or URL."""
+        path = checkpoint_path(self.checkpoint_dir, checkpoint)
+        load_weights(self.training.loop, self.runtime.strategy, model, path)
 
     # ------------------------------------------------------------ evaluation and collectives
 

@@ -71,9 +71,6 @@ class Training:
         if isinstance(exc, (MulticardError, KeyboardInterrupt)):
             self.finish(exc)
 
-    def attach(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.loop.add(model, optimizers)
-
     # ------------------------------------------------------------ what loaders announce (loading.MicroSteps)
 
     def begin_micro(self, micro: int) -> None:
@@ -233,7 +230,7 @@ class Training:
                 self.settle()  # the last step's due checkpoint
             self.loop.ending = ending
             self.loop.hooks.on_fit_end(self.loop)
-            if ending is None and self.rt.stop is not None:
+            if ending is None:  # a stop signal from here on has nothing left to save
                 self.rt.stop.training_ended(complete=self.loop.finished)
 
     def close(self, settle: bool = True) -> None:
