@@ -24,7 +24,6 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 
 from multicard.base.errors import MulticardError, Stopped, UserError
 from multicard.checkpoint import Checkpointer, RunFacts
