@@ -285,3 +285,232 @@ def test_run_of_a_missing_script_is_one_line(tmp_path, capsys):
         f"multicard: error: script {tmp_path / 'nothing.py'} not found; give the path of a Python file "
         f"(multicard run my_train.py)"
     )
+
+
+# ------------------------------------------------------------------ several models and optimizers, the bare model
+
+
+def tiny_run(out: Path, **arguments) -> "multicard.Run":  # noqa: F821 -- imported where the Run is made
+    import multicard
+
+    return multicard.Run(str(out), global_batch_size=4, log_every=1, **arguments)
+
+
+def numbers(count: int = 16) -> list[torch.Tensor]:
+    return [torch.tensor([float(i), 1.0]) for i in range(count)]
+
+
+def test_two_models_step_per_global_batch_and_checkpoint_both_optimizers(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gan.py"])
+    run = tiny_run(tmp_path, checkpoint_every=1, keep_last=10)
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    g, opt_g = run.setup(g, torch.optim.Adam(g.parameters(), lr=0.01))
+    d, opt_d = run.setup(d, torch.optim.Adam(d.parameters(), lr=0.01))
+    sched_d = torch.optim.lr_scheduler.StepLR(opt_d, step_size=1, gamma=0.5)
+    train = run.loader(numbers())
+    for _ in run.epochs(1):
+        for x in train:
+            run.backward(d(g(x).detach()).mean())
+            assert run.step(opt_d, sched_d)
+            with pytest.raises(UserError, match=r"run.step\(\) in a run of 2 optimizers: name the one to step"):
+                run.step()
+            run.backward(d(g(x)).mean())
+            assert run.step(opt_g) and run.every(2) == (run.position.global_step % 2 == 0)
+    assert run.position.global_step == 4  # one step per global batch, whatever number of optimizers stepped
+    run.close()
+    first = load_checkpoint(tmp_path / "checkpoints" / "step-000000001.pt")  # after both updates of batch 1
+    assert first["optimizer"]["state"]["weight"]["step"] == 1 and first["optimizers"]["1"]["state"]["weight"]["step"] == 1
+    assert first["schedulers"]["1"]["last_epoch"] == 1 and set(first["models"]) == {"1"}
+
+
+def test_an_optimizer_not_given_to_setup_is_refused_at_its_first_step(run):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    outside = torch.optim.SGD(model[0].parameters(), lr=0.1)  # built before setup, stepped by hand
+    model, optimizer = run.setup(model, torch.optim.SGD(model[1].parameters(), lr=0.1))
+    model(torch.ones(2)).sum().backward()
+    with pytest.raises(UserError, match=r"an optimizer \(SGD\) over parameters of a model given to run.setup steps "):
+        outside.step()
+    teacher = run.setup(torch.nn.Linear(2, 2).requires_grad_(False))  # a frozen model: returned alone
+    assert isinstance(teacher, torch.nn.Linear)
+    with pytest.raises(UserError, match="steps outside the run"):
+        torch.optim.SGD(teacher.parameters(), lr=0.1).step()
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()  # an optimizer of other tensors is free
+
+
+class WithMethods(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.width = torch.nn.Linear(4, 4), 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def init_hidden(self, rows: int) -> torch.Tensor:
+        return self.layer.weight.new_zeros(rows, self.width)
+
+    def generate(self, x: torch.Tensor) -> torch.dtype:
+        return self(x).dtype
+
+
+def test_the_model_setup_returns_keeps_its_own_methods_under_bf16(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpt.py"])
+    run = tiny_run(tmp_path, precision="bf16")
+    model, _ = run.setup(WithMethods(), None)
+    assert model.generate(torch.ones(1, 4)) == torch.bfloat16  # under the run's autocast, as its forward
+    assert model.init_hidden(3).dtype == torch.float32 and model.width == 4 and model.layer is run.unwrap(model).layer
+    assert isinstance(run.unwrap(model), WithMethods) and not hasattr(model, "module")
+    run.close()
+
+
+# ------------------------------------------------------------------ every way out of the loop, run.state, extending
+
+
+def test_break_ends_the_epoch_and_the_run_still_ends_after_its_epochs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["my_train.py"])
+    run = tiny_run(tmp_path, grad_accum=2)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    train = run.loader(numbers())
+    epochs = []
+    for epoch in run.epochs(3):
+        epochs.append(epoch)
+        assert len(epochs) <= 3, "run.epochs went on past its epochs"
+        for i, x in enumerate(train):
+            run.backward(model(x).mean())
+            run.step(optimizer)
+            if i == 3 - epoch % 2:  # epochs 0 and 2 leave after two whole steps, epoch 1 between micro-steps
+                break
+    assert epochs == [0, 1, 2] and run.position.global_step == 5 and run.position.epoch == 3
+    assert "warning: epoch 1 ended in the middle of a global batch" in capsys.readouterr().out
+    run.close()
+
+
+def test_a_loader_iterated_twice_in_an_epoch_or_outside_the_loop_is_refused(run):
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    train = run.loader(numbers(8))
+    with pytest.raises(UserError, match=r"iterated outside `for epoch in run.epochs\(N\)`"):
+        iter(train)
+    for _ in run.epochs(2):
+        for x in train:
+            run.backward(model(x).mean())
+            run.step(optimizer)
+        with pytest.raises(UserError, match="a run.loader was iterated twice in epoch 0; iterate it once an epoch"):
+            iter(train)
+        break
+
+
+def test_a_stop_signal_in_a_loop_that_breaks_is_honoured(tmp_path, monkeypatch):
+    import multicard
+
+    monkeypatch.setattr(sys, "argv", ["my_train.py"])
+    run = tiny_run(tmp_path)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    train = run.loader(numbers())
+    with pytest.raises(multicard.Stopped) as stopped:
+        for epoch in run.epochs(1000):
+            for x in train:
+                run.backward(model(x).mean())
+                run.step(optimizer)
+                if epoch == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                break
+    assert not isinstance(stopped.value, KeyboardInterrupt) and stopped.value.step <= 2 + 9
+    run.close()
+
+
+class Numpy:
+    def state_dict(self):
+        return {"mean": __import__("numpy").zeros(2)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Lambda(Numpy):
+    def state_dict(self):
+        return {"f": lambda x: x}
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (__import__("numpy").float64(1.5), r"run.state\['v'\] = float64: a checkpoint holds .*; convert numpy values"),
+        ([1, __import__("numpy").int64(2)], r"= list: it holds numpy.int64 at \[1\]"),
+        (__import__("collections").namedtuple("Point", "x y")(1, 2), r"= Point: .*store a namedtuple as a tuple"),
+        (Numpy(), r"= Numpy: its state_dict\(\) holds numpy.ndarray at \['mean'\]"),
+        (Lambda(), r"= Lambda: its state_dict\(\) holds builtins.function at \['f'\]"),
+        ({"k": object()}, r"= dict: it holds builtins.object at \['k'\]"),
+    ],
+)
+def test_run_state_refuses_at_assignment_what_the_checkpoint_reader_cannot_read_back(run, value, says):
+    with pytest.raises(UserError, match=says):
+        run.state["v"] = value
+    assert "v" not in run.state
+
+
+def train_counting(out: Path, epochs: int, stop_at: int = 0) -> tuple[dict, float, dict]:
+    """A loop that puts a LambdaLR and a per-epoch counter into run.state inside the epoch loop;
+    SIGTERM to itself after step `stop_at` (the stop comes at the next agreement on it)."""
+    import multicard
+
+    run = tiny_run(out)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    train = run.loader(numbers())
+    try:
+        for _ in run.epochs(epochs):
+            run.state["seen"] = 0  # reset at each epoch's start
+            if "sched" not in run.state:
+                run.state["sched"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.5**e)
+            for x in train:
+                run.backward(model(x).mean())
+                run.step(optimizer)
+                run.state["seen"] += len(x)
+                if run.position.global_step == stop_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            run.state["sched"].step()
+            run.log(seen=run.state["seen"])
+    except multicard.Stopped as stopped:
+        assert stopped.step % 4 != 0  # in the middle of an epoch
+    result = dict(run.state["sched"].state_dict()), optimizer.param_groups[0]["lr"], dict(run.unwrap(model).state_dict())
+    run.close()
+    return result
+
+
+def test_state_set_inside_the_loop_resumes_mid_epoch_and_a_run_can_be_extended(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["my_train.py"])
+    whole = train_counting(tmp_path / "whole", 3)
+    train_counting(tmp_path / "cut", 3, stop_at=6)  # stops in the middle of an epoch (4 steps an epoch)
+    resumed = train_counting(tmp_path / "cut", 3)
+    assert resumed[0]["last_epoch"] == whole[0]["last_epoch"] == 3 and resumed[1] == whole[1] == 0.0125
+    assert_bitwise_equal(resumed[2], whole[2])
+    records = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["seen"] for r in records if r["kind"] == "epoch"][-2:] == [16, 16]  # the replayed reset kept its count
+    train_counting(tmp_path / "short", 1)  # then longer: the same run, extended
+    extended = train_counting(tmp_path / "short", 3)
+    assert extended[1] == whole[1] and max_rel_diff(extended[2], whole[2]) == 0
+
+
+def test_values_logged_after_an_epochs_last_step_are_in_its_epoch_record_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["my_train.py"])
+    run = tiny_run(tmp_path, best="val", best_mode="min")
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    train = run.loader(numbers())
+    for epoch in run.epochs(2):
+        for x in train:
+            run.backward(model(x).mean())
+            run.step(optimizer)
+            run.log(loss=1.0)
+        run.log(val=float(1 - epoch))
+    weights = {k: v.clone() for k, v in run.unwrap(model).state_dict().items()}
+    run.load_weights(model, "best")  # epoch 1 logged the lower val
+    assert_bitwise_equal(run.unwrap(model).state_dict(), weights)
+    run.load_weights(model, str(tmp_path / "checkpoints" / "step-000000004.pt"))
+    assert not torch.equal(run.unwrap(model).weight, weights["weight"])
+    run.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val" in r] == [4, 8] and all(r["kind"] == "epoch" for r in records if "val" in r)
+    assert all("loss" in r for r in records if r["kind"] == "step")  # values logged after run.step: that step's

@@ -87,6 +87,15 @@ def _detached(value: Any) -> Any:
     return value
 
 
+def _load_into(value: Any, saved: Any) -> None:
+    """An object's saved state, loaded into it. An LR scheduler made after the resume has set its
+    optimizer's learning rates in its constructor: they become again the ones it had set."""
+    value.load_state_dict(saved)
+    if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+        for group, lr in zip(value.optimizer.param_groups, value.get_last_lr(), strict=False):
+            group["lr"] = lr
+
+
 def _placed(saved: Any, like: Any) -> Any:
     """A saved tensor where the user keeps its counterpart (checkpoints load on the CPU)."""
     if isinstance(like, torch.Tensor) and isinstance(saved, torch.Tensor):
@@ -112,12 +121,12 @@ class UserState(MutableMapping):
         value = _checked(key, value)
         saved = self._replay.pop(key, None) if self._replay is not None else None
         if saved is not None and saved["object"] and is_object(value):
-            value.load_state_dict(saved["value"])
+            _load_into(value, saved["value"])
             self._pending.pop(key, None)
         elif saved is not None and not saved["object"]:
             value = _placed(saved["value"], value)
         elif is_object(value) and key in self._pending:
-            value.load_state_dict(self._pending.pop(key))
+            _load_into(value, self._pending.pop(key))
         self._values[key] = value
 
     def __delitem__(self, key: str) -> None:
@@ -155,7 +164,7 @@ class UserState(MutableMapping):
         for key, saved in state.items():
             current = self._values.get(key)
             if saved["object"] and is_object(current):
-                current.load_state_dict(saved["value"])
+                _load_into(current, saved["value"])
             elif saved["object"]:
                 self._pending[key] = saved["value"]
             else:
