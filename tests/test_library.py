@@ -290,7 +290,7 @@ def test_run_of_a_missing_script_is_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------ several models and optimizers, the bare model
 
 
-def tiny_run(out: Path, **arguments) -> "multicard.Run":  # noqa: F821 -- imported where the Run is made
+def tiny_run(out: Path, **arguments) -> multicard.Run:  # noqa: F821 -- imported where the Run is made
     import multicard
 
     return multicard.Run(str(out), global_batch_size=4, log_every=1, **arguments)
