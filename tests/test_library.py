@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -290,7 +291,8 @@ def test_run_of_a_missing_script_is_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------ several models and optimizers, the bare model
 
 
-def tiny_run(out: Path, **arguments) -> multicard.Run:  # noqa: F821 -- imported where the Run is made
+def tiny_run(out: Path, **arguments) -> Any:
+    """A Run of 4-sample global batches, a step record each step."""
     import multicard
 
     return multicard.Run(str(out), global_batch_size=4, log_every=1, **arguments)
@@ -319,7 +321,7 @@ def test_two_models_step_per_global_batch_and_checkpoint_both_optimizers(tmp_pat
     assert run.position.global_step == 4  # one step per global batch, whatever number of optimizers stepped
     run.close()
     first = load_checkpoint(tmp_path / "checkpoints" / "step-000000001.pt")  # after both updates of batch 1
-    assert first["optimizer"]["state"]["weight"]["step"] == 1 and first["optimizers"]["1"]["state"]["weight"]["step"] == 1
+    assert first["optimizer"]["state"]["weight"]["step"] == first["optimizers"]["1"]["state"]["weight"]["step"] == 1
     assert first["schedulers"]["1"]["last_epoch"] == 1 and set(first["models"]) == {"1"}
 
 
@@ -474,7 +476,8 @@ def train_counting(out: Path, epochs: int, stop_at: int = 0) -> tuple[dict, floa
             run.log(seen=run.state["seen"])
     except multicard.Stopped as stopped:
         assert stopped.step % 4 != 0  # in the middle of an epoch
-    result = dict(run.state["sched"].state_dict()), optimizer.param_groups[0]["lr"], dict(run.unwrap(model).state_dict())
+    lr, weights = optimizer.param_groups[0]["lr"], dict(run.unwrap(model).state_dict())
+    result = dict(run.state["sched"].state_dict()), lr, weights
     run.close()
     return result
 
@@ -512,5 +515,6 @@ def test_values_logged_after_an_epochs_last_step_are_in_its_epoch_record_only(tm
     assert not torch.equal(run.unwrap(model).weight, weights["weight"])
     run.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "val" in r] == [4, 8] and all(r["kind"] == "epoch" for r in records if "val" in r)
+    with_val = [r for r in records if "val" in r]
+    assert [r["step"] for r in with_val] == [4, 8] and all(r["kind"] == "epoch" for r in with_val)
     assert all("loss" in r for r in records if r["kind"] == "step")  # values logged after run.step: that step's
