@@ -518,3 +518,68 @@ def test_values_logged_after_an_epochs_last_step_are_in_its_epoch_record_only(tm
     with_val = [r for r in records if "val" in r]
     assert [r["step"] for r in with_val] == [4, 8] and all(r["kind"] == "epoch" for r in with_val)
     assert all("loss" in r for r in records if r["kind"] == "step")  # values logged after run.step: that step's
+
+
+# ------------------------------------------------------------------ across processes: evaluation, unused parameters, a late stop
+
+AFTER_TRAINING = '''
+import sys, time
+from pathlib import Path
+import torch, multicard
+
+out, strategy = sys.argv[1], sys.argv[2]
+
+
+class Partly(torch.nn.Module):
+    def __init__(self, unused):
+        super().__init__()
+        self.used = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        self.unused = torch.nn.Linear(1, 1) if unused else None  # trained, and never in the forward
+
+    def forward(self, x):
+        return self.used(x)
+
+
+run = multicard.Run(out, global_batch_size=4, strategy=strategy, precision="fp64")
+model = Partly(unused=strategy == "ddp")
+model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+train = run.loader([torch.ones(2) * i for i in range(8)])
+for epoch in run.epochs(1):
+    for x in train:
+        run.backward(model(x).mean())
+        run.step(optimizer)
+scores = run.evaluate(model, [torch.ones(2)], lambda m, x: {"value": m(x)})  # 1 sample, 2 ranks
+run.print(f"samples {scores.samples} value {scores['value']:.6f}")
+Path(out, "trained").touch()
+time.sleep(60)  # what a script may do after training (a stop signal comes meanwhile)
+'''
+
+
+@pytest.mark.distributed
+def test_evaluation_of_fewer_samples_than_ranks_under_fsdp_and_a_stop_after_the_last_step(tmp_path):
+    script_path = tmp_path / "after.py"
+    script_path.write_text(AFTER_TRAINING)
+    out = tmp_path / "run"
+    proc = script(script_path, str(out), "fsdp", launch=("--nproc-per-node", "2"))
+    wait_for(lambda: (out / "trained").exists(), what="the end of training")
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err  # all was done: nothing to resume
+    assert "samples 1 value" in stdout
+    assert err.strip().splitlines()[-1] == (
+        "multicard: SIGTERM after the last step: training is complete, its checkpoints are written"
+    )
+
+
+@pytest.mark.distributed
+def test_parameters_the_loss_does_not_reach_under_ddp_are_one_line_naming_the_option(tmp_path):
+    script_path = tmp_path / "unused.py"
+    script_path.write_text(AFTER_TRAINING)
+    proc = script(script_path, str(tmp_path / "run"), "ddp", launch=("--nproc-per-node", "2"))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip().splitlines()[-1] == (
+        "multicard: error: 2 parameter(s) got no gradient in this backward under ddp (e.g. unused.weight), so DDP would "
+        "wait for them forever; set options={'ddp.find_unused_parameters': True} (config "
+        "ddp.find_unused_parameters=true), or freeze them (requires_grad=False) before run.setup"
+    )
