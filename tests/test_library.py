@@ -520,7 +520,7 @@ def test_values_logged_after_an_epochs_last_step_are_in_its_epoch_record_only(tm
     assert all("loss" in r for r in records if r["kind"] == "step")  # values logged after run.step: that step's
 
 
-# ------------------------------------------------------------------ across processes: evaluation, unused parameters, a late stop
+# ------------------------------------------------------------------ processes: evaluation, unused parameters, a late stop
 
 AFTER_TRAINING = '''
 import sys, time
@@ -579,7 +579,7 @@ def test_parameters_the_loss_does_not_reach_under_ddp_are_one_line_naming_the_op
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert err.strip().splitlines()[-1] == (
-        "multicard: error: 2 parameter(s) got no gradient in this backward under ddp (e.g. unused.weight), so DDP would "
-        "wait for them forever; set options={'ddp.find_unused_parameters': True} (config "
+        "multicard: error: 2 parameter(s) got no gradient in this backward under ddp (e.g. unused.weight), so DDP "
+        "would wait for them forever; set options={'ddp.find_unused_parameters': True} (config "
         "ddp.find_unused_parameters=true), or freeze them (requires_grad=False) before run.setup"
     )
