@@ -520,7 +520,7 @@ def test_values_logged_after_an_epochs_last_step_are_in_its_epoch_record_only(tm
     assert all("loss" in r for r in records if r["kind"] == "step")  # values logged after run.step: that step's
 
 
-# ------------------------------------------------------------------ processes: evaluation, unused parameters, a late stop
+# ------------------------------------------------------------------ processes: evaluation, unused ones, a late stop
 
 AFTER_TRAINING = '''
 import sys, time
