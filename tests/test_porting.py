@@ -99,10 +99,11 @@ def test_a_real_scripts_shape_trains_alike_under_ddp2_and_resumes_in_one_process
     step = stop_step(outputs[shape, "stopped"])
     assert 0 < step < 2 * STEPS_PER_EPOCH[shape] and f"resumed from {base / 'resumed'}" in outputs[shape, "resumed"]
     if shape == "bptt":  # in the middle of an epoch: every stream's hidden state came back with the checkpoint
-        assert step % STEPS_PER_EPOCH[shape] and read_checkpoint(base / "stopped/checkpoints/last.pt")["resume"]["streams0"]
-    at_stop = f"checkpoints/step-{step:09d}.pt"
+        carried = read_checkpoint(base / "stopped" / "checkpoints" / "last.pt")["resume"]["streams0"]
+        assert step % STEPS_PER_EPOCH[shape] and carried["tensors"][0].shape == (1, 16, 64)
+    at_stop, last = f"checkpoints/step-{step:09d}.pt", "checkpoints/last.pt"
     assert_alike(read_checkpoint(base / "stopped" / at_stop), read_checkpoint(base / "one" / at_stop))
-    assert_alike(read_checkpoint(base / "resumed/checkpoints/last.pt"), read_checkpoint(base / "one/checkpoints/last.pt"))
+    assert_alike(read_checkpoint(base / "resumed" / last), read_checkpoint(base / "one" / last))
 
 
 @pytest.mark.distributed
