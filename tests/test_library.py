@@ -378,6 +378,7 @@ def test_break_ends_the_epoch_and_the_run_still_ends_after_its_epochs(tmp_path, 
         epochs.append(epoch)
         assert len(epochs) <= 3, "run.epochs went on past its epochs"
         for i, x in enumerate(train):
+            assert run.micro_step == i % 2
             run.backward(model(x).mean())
             run.step(optimizer)
             if i == 3 - epoch % 2:  # epochs 0 and 2 leave after two whole steps, epoch 1 between micro-steps

@@ -82,8 +82,14 @@ class Run:
 
     @property
     def position(self) -> Position:
-        """epoch, step_in_epoch and global_step (optimizer steps done)."""
+        """epoch, step_in_epoch and global_step (global batches stepped so far)."""
         return self.training.loop.position
+
+    @property
+    def micro_step(self) -> int | None:
+        """Which micro-step (0 .. grad_accum-1) of the global batch step_in_epoch the batch just drawn
+        is; None outside a loader's batch. With the position: a key for randomness of its own per batch."""
+        return self.training.micro
 
     # ------------------------------------------------------------ setting up
 

@@ -84,6 +84,8 @@ class Training:
         self._micro_context.close()
         self._micro = None
 
+    micro = property(lambda self: self._micro)
+
     def enter(self, phase: str) -> None:
         self.loop.clock.enter(phase)
 
