@@ -10,6 +10,7 @@ together (one shared fixture): the machine is busy with all of them at once, not
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -54,7 +55,7 @@ def ended(proc: subprocess.Popen, code: int = 0) -> str:
 @pytest.fixture(scope="module")
 def ported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Per example: one process (every step kept), ddp×2 stopped by SIGTERM, that run resumed in one
-    process; and the GAN under fsdp×2, the step-based loop in bf16 under ddp×2."""
+    process; and the GAN under fsdp×2 (evaluating one image on two ranks), the step-based loop in bf16."""
     base = tmp_path_factory.mktemp("ported")
     procs = {}
     for name, (path, args) in SHAPES.items():
@@ -62,11 +63,11 @@ def ported(tmp_path_factory: pytest.TempPathFactory) -> dict:
         procs[name, "stopped"] = start(path, *args, *SAVED, "--out", str(base / name / "stopped"), launch=DDP2,
                                        env=slowed(300))  # fmt: skip
     gan, gan_args = SHAPES["gan"]
-    procs["gan", "fsdp"] = start(gan, *gan_args, "--precision", "fp64", "--strategy", "fsdp", "--out",
-                                 str(base / "gan" / "fsdp"), launch=DDP2)  # fmt: skip
+    procs["gan", "fsdp"] = start(gan, *gan_args, "--precision", "fp64", "--strategy", "fsdp", "--val-samples", "1",
+                                 "--out", str(base / "gan" / "fsdp"), launch=DDP2)  # fmt: skip
     procs["steps", "bf16"] = start(SHAPES["steps"][0], "--limit", "200", "--block", "8", "--batch-size", "8",
                                    "--steps", "2", "--eval-every", "2", "--precision", "bf16", "--out",
-                                   str(base / "steps" / "bf16"), launch=DDP2)  # fmt: skip
+                                   str(base / "steps" / "bf16"))  # fmt: skip
     for name in SHAPES:  # each stopped once its first checkpoint is there
         folder = base / name / "stopped" / "checkpoints"
         wait_for(lambda folder=folder: bool(checkpoints_in(folder)), timeout=240, what=f"{name}'s first checkpoint")
@@ -113,11 +114,19 @@ def test_two_optimizers_set_up_by_run_setup_train_under_fsdp_as_in_one_process(p
     whole = read_checkpoint(gan / "fsdp" / "checkpoints" / "last")
     one = torch.load(gan / "one" / "checkpoints" / "last.pt", weights_only=True)
     assert max_rel_diff(whole["model"], one["model"]) < 1e-10
+    assert max_rel_diff(whole["models"]["1"], one["models"]["1"]) < 1e-10
     assert "samples: brightest pixel of 16 generated images" in ported["outputs"]["gan", "fsdp"]
 
 
 @pytest.mark.distributed
-def test_the_models_own_methods_work_on_what_setup_returns_under_bf16_and_ddp(ported):
+def test_evaluation_of_fewer_samples_than_ranks_under_fsdp_counts_each_once(ported):
+    lines = (ported["base"] / "gan" / "fsdp" / "metrics.jsonl").read_text().splitlines()
+    epochs = [r for r in map(json.loads, lines) if r["kind"] == "epoch"]
+    assert [r["val_samples"] for r in epochs] == [1, 1] and all(r["d_real"] in (0.0, 1.0) for r in epochs)
+
+
+@pytest.mark.distributed  # its fixture runs ddp×2 and fsdp×2 too
+def test_the_models_own_methods_work_on_what_setup_returns_under_bf16(ported):
     out = ported["outputs"]["steps", "bf16"]
-    assert "strategy=ddp" in out and "precision=bf16" in out and "sample: '" in out
+    assert "precision=bf16" in out and "sample: '" in out
     assert "tflops" in (ported["base"] / "steps" / "bf16" / "metrics.jsonl").read_text()

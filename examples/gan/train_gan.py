@@ -25,6 +25,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", default="runs/gan")
 parser.add_argument("--epochs", type=int, default=4)
 parser.add_argument("--samples", type=int, default=512)
+parser.add_argument("--val-samples", type=int, default=64)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--precision", default="fp32")
@@ -80,10 +81,17 @@ netG, netD = generator(), discriminator()
 netG, optimizerG = run.setup(netG, torch.optim.Adam(netG.parameters(), lr=args.lr, betas=(0.5, 0.999)))
 netD, optimizerD = run.setup(netD, torch.optim.Adam(netD.parameters(), lr=args.lr, betas=(0.5, 0.999)))
 train = run.loader(Blobs(args.samples), transform=with_noise)
+every = Blobs(args.samples + args.val_samples)
+held_out = torch.utils.data.Subset(every, range(args.samples, len(every)))  # images the training never sees
 
 
 def bce(logits: torch.Tensor, label: float) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, label))
+
+
+def told_real(model: nn.Module, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How many held-out real images the discriminator takes for real."""
+    return {"real": model(images) > 0}
 
 
 for epoch in run.epochs(args.epochs):
@@ -96,6 +104,8 @@ for epoch in run.epochs(args.epochs):
         run.backward(loss_g)
         run.step(optimizerG)
         run.log(loss_d=loss_d, loss_g=loss_g)
+    scores = run.evaluate(netD, held_out, told_real)  # images of other seeds
+    run.log(d_real=scores["real"] / max(1, scores.samples), val_samples=scores.samples)
 
 # Samples in eval mode on every rank: in train mode each forward would sum BatchNorm statistics
 # over the ranks (sync_bn), and a forward on rank 0 alone would wait for the others.

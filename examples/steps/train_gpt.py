@@ -123,7 +123,7 @@ for inputs, targets in run.steps(args.steps):
         val_loss = sums["loss_sum"] / sums["tokens"]
         run.state["plateau"].step(val_loss)
         tokens_per_s = run.position.global_step * args.batch_size * args.block / (time.perf_counter() - started)
-        run.log(val_loss=val_loss, tflops=raw_model.flops_per_token() * tokens_per_s / 1e12)
+        run.log(val_loss=val_loss, tflops=model.flops_per_token() * tokens_per_s / 1e12)  # the module's own method
 
 prompt = tokens[cut : cut + 8].view(1, -1).to(run.device)
 drawn = raw_model.generate(prompt, 40)[0].tolist()  # every rank: under fsdp each forward gathers the weights

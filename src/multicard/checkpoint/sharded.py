@@ -108,8 +108,9 @@ class Sharded:
         without one as whole CPU tensors of the model (and its EMA) alone (eval, export, fine-tuning)."""
         meta = self.read_meta(path)
         path = self._complete(path)
-        if template is None:  # the model and, where the run kept one, its weights' EMA
-            whole = {key: self._whole_tensors(path, key, device="cpu") for key in ("model", "ema")}
+        if template is None:  # the model and, where the run kept them, its weights' EMA and its other models
+            whole = {key: self._whole_tensors(path, key, device="cpu") for key in ("model", "ema", "models")}
+            whole["models"] = by_model(whole["models"])
             tensors = {key: value for key, value in whole.items() if value}
         else:
             tensors = {k: template[k] for k in TENSORS if k in template}
@@ -153,6 +154,15 @@ def serialised(state: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
+
+
+def by_model(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A run's other models ("1.weight" → {"1": {"weight": ...}}): each model's own state dict."""
+    nested: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in flat.items():
+        model, _, key = name.partition(".")
+        nested.setdefault(model, {})[key] = tensor
+    return nested
 
 
 def save_tensors(state: dict[str, Any], checkpoint_id: Path | str, background: Any) -> Any:

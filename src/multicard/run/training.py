@@ -231,8 +231,8 @@ class Training:
                 self.settle()  # the last step's due checkpoint
             self.loop.ending = ending
             self.loop.hooks.on_fit_end(self.loop)
-            if ending is None:  # a stop signal from here on has nothing left to save
-                self.rt.stop.training_ended(complete=self.loop.finished)
+            # A stop signal from here on has nothing left to save.
+            self.rt.stop.training_ended(complete=ending is None and self.loop.finished, failed=ending is not None)
 
     def close(self, settle: bool = True) -> None:
         """`settle`: the script ended normally (else nothing that waits for the other ranks runs)."""

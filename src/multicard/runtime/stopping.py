@@ -132,6 +132,7 @@ class GracefulStop(Handlers):
         self._pending: Callable[[], int] | None = None
         self._previous: dict[int, Any] = {}
         self.ended: bool | None = None  # training over: None not yet, True complete, False left early
+        self.failed = False  # it ended on an error (the process is ending with it)
 
     def __enter__(self) -> GracefulStop:
         for sig in HANDLED_SIGNALS:
@@ -149,20 +150,17 @@ class GracefulStop(Handlers):
             self._pending()  # a clean end: complete the collective every rank started
         self._pending = None
 
-    def training_ended(self, complete: bool) -> None:
+    def training_ended(self, complete: bool, failed: bool = False) -> None:
         """From here on a stop signal has nothing left to save: it ends the process at once, with
-        one line, 0 if training completed (every step and its checkpoint done), else 128 + the signal."""
-        self.ended = complete
+        one line, 0 if training completed (every step and its checkpoint done), else 128 + the
+        signal; `failed`: training ended on an error, which has said so (the process is ending)."""
+        self.ended, self.failed = complete, failed
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGQUIT:
             quit_now(signum, stacks=True)
         if self.ended is not None and signum != signal.SIGINT:
-            name = signal.Signals(signum).name
-            done = "training is complete" if self.ended else "training had ended; rerun to continue it"
-            if self.announce:  # one rank says it
-                print(f"multicard: {name} after the last step: {done}, its checkpoints are written", file=sys.stderr)
-            raise SystemExit(0 if self.ended else ExitCode.for_signal(signum))
+            self._after_training(signum)
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             quit_now(signum, stacks=False)  # a second Ctrl-C: do not wait for the checkpoint
         if not self.signum and self.announce:
@@ -170,6 +168,16 @@ class GracefulStop(Handlers):
             name = signal.Signals(signum).name
             print(f"multicard: {name}: stopping with a checkpoint within {self.every + 1} steps{again}", flush=True)
         self.signum = self.signum or signum
+
+    def _after_training(self, signum: int) -> None:
+        if self.failed:  # its error is being reported: end now, as the signal would
+            sys.stderr.flush()
+            os._exit(ExitCode.for_signal(signum))
+        name = signal.Signals(signum).name
+        done = "training is complete" if self.ended else "training had ended; rerun to continue it"
+        if self.announce:  # one rank says it
+            print(f"multicard: {name} after the last step: {done}, its checkpoints are written", file=sys.stderr)
+        raise SystemExit(0 if self.ended else ExitCode.for_signal(signum))
 
     def poll(self) -> int:
         """Call once per optimizer step, on every rank: the signal all ranks agreed on (0: go on)."""
