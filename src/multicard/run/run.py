@@ -1,7 +1,7 @@
 """`multicard.Run`: every guarantee of `multicard train` for a user's own loop.
 
     run = multicard.Run(out_dir="runs/mine", global_batch_size=256, precision="bf16")
-    model, optimizer = run.setup(model, optimizer)      # device, strategy wrap, AMP, compile
+    model, optimizer = run.setup(model, optimizer)      # device, strategy wrap, AMP, compile (per model)
     train = run.loader(train_set, transform=augment)    # any map-style dataset
     for epoch in run.epochs(10):                        # resumes where the last run stopped
         for batch in train:                             # this rank's share of the global batch
