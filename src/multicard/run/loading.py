@@ -68,7 +68,7 @@ class Loader:
         collate = collate_fn or default_collate
         self.loader = data_loader(samples, EpochKeys(self.sampler), num_workers, ctx.device, seed, ctx.rank, collate)
         self.last_step = self.steps_per_epoch  # where this epoch's steps end (a run's max_steps may cut one)
-        self.carried = Carried(ctx, split.micro_batch)
+        self.carried = Carried(ctx, split)
         self._drawn: bool | None = None  # this epoch: None not iterated yet, False iterating, True drawn from
 
     @property
@@ -150,8 +150,8 @@ class Carried:
     """The state a rank's streams carry from batch to batch, as a checkpoint part: saved gathered over
     the ranks (rows in stream order), restored as this rank's rows; void at an epoch's end."""
 
-    def __init__(self, ctx: ProcessContext, rows: int) -> None:
-        self.ctx, self.rows = ctx, rows
+    def __init__(self, ctx: ProcessContext, split: BatchSplit) -> None:
+        self.ctx, self.rows, self.accum = ctx, split.micro_batch, split.grad_accum
         self.state: Any = None
         self.dim = 0
         self.saved: Any = None  # whole (every stream's) state from a checkpoint, until the first carry
@@ -182,15 +182,20 @@ class Carried:
 
     def state_dict(self, whole: bool = False) -> dict[str, Any]:
         if self.state is None:
-            return {}
+            return {"grad_accum": self.accum}
         tensors = self.state if isinstance(self.state, (tuple, list)) else (self.state,)
         mine = [t.detach().cpu().movedim(self.dim, 0) for t in tensors]  # rows first, for every rank alike
         every = self.ctx.all_gather_object(mine)
         whole_rows = [torch.cat([r[i] for r in every]).movedim(0, self.dim) for i in range(len(mine))]
-        return {"tuple": isinstance(self.state, (tuple, list)), "dim": self.dim, "tensors": whole_rows}
+        return {"tuple": isinstance(self.state, (tuple, list)), "dim": self.dim, "tensors": whole_rows,
+                "grad_accum": self.accum}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = state or None
+        saved = state.get("grad_accum", self.accum)
+        if saved != self.accum:
+            raise UserError(f"order='streams' lays its streams out by grad_accum (global_batch_size / grad_accum "
+                            f"streams): resume with grad_accum={saved}, as the checkpoint was trained")  # fmt: skip
+        self.saved = state if "tensors" in state else None
 
 
 def _rows(saved: dict[str, Any], start: int, rows: int, device: torch.device) -> Any:
