@@ -583,3 +583,39 @@ def test_parameters_the_loss_does_not_reach_under_ddp_are_one_line_naming_the_op
         "would wait for them forever; set options={'ddp.find_unused_parameters': True} (config "
         "ddp.find_unused_parameters=true), or freeze them (requires_grad=False) before run.setup"
     )
+
+
+def test_misuses_of_several_models_streams_steps_and_weights_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["my_train.py"])
+    run = tiny_run(tmp_path / "one")
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    teacher = run.setup(torch.nn.Linear(2, 2).requires_grad_(False))
+    train = run.loader(numbers(8))
+    for _ in run.epochs(1):
+        for x in train:
+            run.backward(model(x).mean())
+            with pytest.raises(UserError, match="ReduceLROnPlateau steps on a metric: call scheduler.step"):
+                run.step(optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+            with pytest.raises(UserError, match="loader.carry.* keeps the state of streams: create the loader"):
+                train.carry(torch.zeros(1, 4), dim=1)
+            run.step(optimizer)
+    with pytest.raises(UserError, match=r"run.load_weights\(model, ...\) loads the run's model"):
+        run.load_weights(teacher, "last")
+    run.close()
+    again = tiny_run(tmp_path / "one", max_steps=2)  # the same out_dir: it holds 2 models, 1 optimizer
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = again.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    again.loader(numbers(8))
+    with pytest.raises(UserError, match=r"run.steps\(4\) with Run\(max_steps=2\): give the steps once"):
+        again.steps(4)
+    again.close()
+    other = tiny_run(tmp_path / "one")
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = other.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    streams = other.loader(numbers(8), order="streams")
+    with pytest.raises(UserError, match=r"the checkpoint holds 2 model\(s\) and 1 optimizer\(s\), this run set up 1"):
+        other.epochs(2)
+    with pytest.raises(UserError, match=r"loader.carry\(state, dim=1\) takes a tensor .* with 4 rows along dim 1"):
+        streams.carry(torch.zeros(1, 3), dim=1)
+    other.close()
