@@ -74,6 +74,6 @@ def test_run_of_a_folder_names_it_a_folder_and_runs_one_with_a_main(tmp_path, ca
         f"multicard: error: script {folder} is a folder (without a __main__.py); give the path of a Python file "
         f"(multicard run my_train.py)"
     )
-    (folder / "__main__.py").write_text("import sys\nprint('ran', sys.argv[1:])\n")  # as `python FOLDER` runs it
-    assert main(["run", str(folder), "--steps", "3"]) == 0
-    assert capsys.readouterr().out == "ran ['--steps', '3']\n"
+    (folder / "__main__.py").write_text("import sys\nprint('ran', sys.argv, sys.path[0])\n")  # as `python FOLDER`
+    ran = cli("run", str(folder), "--steps", "3")
+    assert ran.returncode == 0 and ran.stdout == f"ran [{str(folder)!r}, '--steps', '3'] {folder}\n", ran.stderr

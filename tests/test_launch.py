@@ -1,20 +1,25 @@
-"""What a multicard command leaves running once it has ended: nothing. Processes a script or a
-worker starts end with the command (also those started in the background, whose parent ended
-first), a process forked under multicard's stop handlers ends on a plain `kill`, and a worker
-whose launcher was killed ends even where its script ignores SIGTERM. Real processes and signals."""
+"""How a multicard process ends, and what it leaves running once it has ended: nothing. Processes
+a script or a worker starts end with the command (also those started in the background, whose
+parent ended first), a process forked under multicard's stop handlers ends on a plain `kill`, and a
+worker whose launcher was killed ends even where its script ignores SIGTERM. A script under
+`multicard run` (in one process, or in each worker) runs as under `python SCRIPT` and ends with
+its exit code, traceback and exit handlers, but without the interpreter's teardown, where torch's
+gloo threads can abort a finished process. Real processes and signals."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import alive, start, wait_for
+from conftest import MULTICARD, alive, clean_env, cli, start, wait_for
 from multicard.runtime.stopping import BeforeTraining, GracefulStop
 
 # Starts two processes that would run for ten minutes: one it leaves running, one in the
@@ -114,3 +119,73 @@ def test_workers_of_a_killed_launcher_end_though_their_script_ignores_sigterm(tm
     lines = set(err.splitlines())
     assert gone.format(0) + "ignores SIGTERM" + ending in lines, err
     assert gone.format(1) + "did not stop within 1 s of its SIGTERM" + ending in lines, err
+
+
+# Leaves a thread issuing gloo all_reduces it never waits for, in a process group DDP keeps to the
+# end, as the script ends: a gloo thread then frees a tensor while the process exits.
+GLOO_AT_THE_END = """
+    import os, sys, threading
+    import torch, torch.distributed as dist
+
+    if "RANK" in os.environ:  # a worker of `multicard run --nproc-per-node`
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    group = dist.new_group()  # the thread's own: its collectives pair up across ranks apart from the main thread's
+
+    def busy():
+        while True:
+            dist.all_reduce(torch.ones(1000), group=group, async_op=True)
+
+    threading.Thread(target=busy, daemon=True).start()
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.parametrize(
+    "launch", [(), pytest.param(("--nproc-per-node", "2"), marks=pytest.mark.distributed)],
+    ids=["one-process", "two-workers"],
+)  # fmt: skip
+def test_a_script_that_leaves_gloo_collectives_running_ends_with_0_not_an_abort(tmp_path, launch):
+    """Before: exit 134 ("terminate called without an active exception") in every run."""
+    result = cli("run", *launch, str(script(tmp_path, GLOO_AT_THE_END)), str(tmp_path / "store"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "terminate called" not in result.stderr
+
+
+# Imports a module beside it, registers an exit handler that writes what python gave the script,
+# then leaves by sys.exit(3) or by an exception of its own.
+AS_PYTHON_RUNS_IT = """
+    import atexit, sys
+    from pathlib import Path
+
+    import sibling
+
+    atexit.register(Path(sys.argv[2]).write_text, f"{sys.argv[0]} {__file__} {__name__} {sibling.NAME}")
+    if sys.argv[1] == "exit":
+        sys.exit(3)
+    raise ValueError("the script's own error")
+"""
+
+
+@pytest.mark.parametrize("how, code", [("exit", 3), ("raise", 1)])
+def test_multicard_run_runs_a_script_and_ends_it_as_python_does(tmp_path, how, code):
+    """From another folder, the script imports its sibling module and sees the same argv, __file__
+    and __name__; its exit code, its traceback and its exit handler's file are python's. Before:
+    `No module named 'sibling'` (the script's folder was not on sys.path)."""
+    folder, elsewhere = tmp_path / "scripts", tmp_path / "elsewhere"
+    folder.mkdir(), elsewhere.mkdir()
+    (folder / "train.py").write_text(textwrap.dedent(AS_PYTHON_RUNS_IT))
+    (folder / "sibling.py").write_text("NAME = 'sibling'\n")
+    ran = {}
+    for name, program in (("python", [sys.executable]), ("multicard", [MULTICARD, "run"])):
+        result = subprocess.run([*program, "../scripts/train.py", how, str(tmp_path / name)], cwd=elsewhere,
+                                capture_output=True, text=True, timeout=120, env=clean_env())  # fmt: skip
+        handler = tmp_path / name
+        ran[name] = (result.returncode, result.stderr, handler.read_text() if handler.exists() else None)
+    assert ran["multicard"] == ran["python"]
+    exit_code, stderr, seen = ran["python"]
+    assert exit_code == code and seen == f"../scripts/train.py {elsewhere}/../scripts/train.py __main__ sibling"
+    if how == "raise":
+        assert stderr.startswith("Traceback") and "ValueError: the script's own error" in stderr

@@ -40,9 +40,10 @@ from multicard.base.locations import canonical, check_location
 from multicard.base.version import __version__
 from multicard.run.preflight import check_output_folder, preflight
 from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
-from multicard.runtime.exits import die_with_launcher, end_process, report_error, run_to_the_end
+from multicard.runtime.exits import die_with_launcher, report_error, run_to_the_end
 from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers
 from multicard.runtime.process_group import resolve_gpus
+from multicard.runtime.script import run_script
 from multicard.runtime.stopping import BeforeTraining
 from multicard.strategy.topology import resolve
 from multicard.tools.plan.arguments import add_plan_parser, plan_options
@@ -299,8 +300,6 @@ def _train(args: argparse.Namespace) -> int:
         from multicard.cli import commands  # the training stack, loaded where it runs: not in a launcher
 
         commands.train(cfg, env)
-        if env.launched and cfg.strategy == "fsdp":
-            end_process(ExitCode.OK)  # done and checkpointed: see end_process
         return ExitCode.OK
     topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
     if not topology.gpus:
@@ -375,11 +374,8 @@ def _report(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _run(args: argparse.Namespace) -> int:
-    """`multicard run [--nproc-per-node N ...] SCRIPT ARGS`: the script as `python SCRIPT ARGS` would
-    run it, here or in N workers (one per GPU) started by torchrun's agent."""
-    import runpy
-
+def _script(args: argparse.Namespace) -> str:
+    """`multicard run`'s SCRIPT, once it is known to be one `python SCRIPT` would run."""
     script = Path(args.script)
     if script.is_dir() and not (script / "__main__.py").is_file():  # with one, python runs a folder
         raise UserError(
@@ -388,19 +384,15 @@ def _run(args: argparse.Namespace) -> int:
         )
     if not (script.is_file() or script.is_dir()):
         raise UserError(f"script {args.script} not found; give the path of a Python file (multicard run my_train.py)")
-    env = detect_env()
-    options = _launch_options(args, env)
-    if options is None:
-        saved = sys.argv
-        sys.argv = [str(script), *args.args]
-        try:
-            runpy.run_path(str(script), run_name="__main__")
-        finally:
-            sys.argv = saved
-        return ExitCode.OK
+    return args.script
+
+
+def _run_workers(args: argparse.Namespace, options: LaunchOptions) -> int:
+    """`multicard run --nproc-per-node N SCRIPT ARGS`: N workers that each run `multicard run SCRIPT
+    ARGS`, the script in the worker's own process (main), started by torchrun's agent."""
     if not resolve_gpus([]):
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
-    return launch_workers(options, args.args, stop_timeout_s=args.stop_timeout, script=str(script))
+    return launch_workers(options, ["run", args.script, *args.args], stop_timeout_s=args.stop_timeout)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -434,23 +426,31 @@ def entry() -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line `argv` (default: this process's) in this process; its exit code."""
+    """Run the command line `argv` (default: this process's) in this process; its exit code. A
+    script `multicard run` runs here runs as under `python SCRIPT`: what it raises is its own
+    (run_to_the_end reports it as python would, through multicard.Run's hook if it made a Run)."""
     args = parse(sys.argv[1:] if argv is None else argv)
     die_with_launcher(detect_env())
     try:
         _check_local_paths(args)
         commands_by_name = {
             "train": _train, "eval": _eval, "export": _export, "report": _report, "bench": _bench, "verify": _verify,
-            "plan": _plan, "pack": _pack, "input-split": _input_split, "run": _run,
+            "plan": _plan, "pack": _pack, "input-split": _input_split,
         }  # fmt: skip
-        if args.command == "train" and not detect_env().launched:
+        if args.command == "run":
+            script = _script(args)
+            options = _launch_options(args, detect_env())
+            if options is not None:
+                return _run_workers(args, options)
+        elif args.command == "train" and not detect_env().launched:
             with BeforeTraining():  # a stop signal in start-up is one line too (a worker's launcher says it)
                 return _train(args)
-        return commands_by_name[args.command](args)
+        else:
+            return commands_by_name[args.command](args)
     except (MulticardError, KeyboardInterrupt, RuntimeError) as exc:
         code = report_error(exc)
         if code is None:
             raise  # a bug: the traceback is shown (exit 1)
         return code
-
-
+    run_script(script, args.args)
+    return ExitCode.OK

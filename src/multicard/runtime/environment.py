@@ -97,11 +97,6 @@ def _local_tasks(environ: Mapping[str, str], node: int) -> int:
     return 1
 
 
-def started_workers(environ: Mapping[str, str] = os.environ) -> bool:
-    """This process is multicard's launcher: it has started workers (launch.py)."""
-    return environ.get(LAUNCHER_PID) == str(os.getpid())
-
-
 def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
     """Read the topology from torchrun (RANK, ...) or srun (SLURM_*); else one plain process."""
     if "RANK" in environ and "WORLD_SIZE" in environ:

@@ -9,7 +9,6 @@ happened; anything else is a bug and keeps its traceback (exit 1).
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import re
 import select
@@ -23,8 +22,9 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from multicard.base.errors import ExitCode, MulticardError, Stopped
-from multicard.runtime.environment import ProcessEnv, detect_env, started_workers
+from multicard.runtime.environment import ProcessEnv, detect_env
 from multicard.runtime.process_tree import PR_SET_PDEATHSIG, adopt_orphans, end_descendants, prctl
+from multicard.runtime.script import from_the_script
 
 EVERY_RANK_WAIT_S = 20.0  # how long a rank leaves rank 0 to say an error every rank met (see report_error)
 
@@ -97,43 +97,76 @@ EXIT_GRACE_S = 2.0  # how long threads and processes still running when a comman
 
 
 def run_to_the_end(command: Callable[[], int]) -> NoReturn:
-    """Run `command` as the whole work of this process, then end the process with its exit code
-    (the `multicard` program, installed command and `python -m multicard` alike: cli.main.entry).
-    What the user's code left running does not keep the process alive (end_in_time) or outlive it
-    (leave_nothing_running); multicard's launcher skips the interpreter's teardown (end_process)."""
+    """Run `command` as the whole work of this process (the `multicard` program: cli.main.entry,
+    for the installed command, `python -m multicard` and every worker multicard's launcher starts),
+    then end the process with its exit code as `python` would, but without the interpreter's
+    finalization (finish). What the user's code left running does not keep the process alive
+    (end_in_time) or outlive it (leave_nothing_running)."""
     leave_nothing_running()
     try:
         code = command()
     except SystemExit as exc:  # --help, a usage error, or a script's own sys.exit
-        end_in_time(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
-        raise
-    except BaseException:  # a bug: its traceback is printed, then the process must end all the same
-        end_in_time(ExitCode.INTERNAL)
-        raise
-    if started_workers():
-        # This process was the launcher: its workers have ended and its files are closed. It skips
-        # the interpreter's and C++'s teardown, where the rendezvous store's thread can abort the
-        # process ("terminate called without an active exception", pytorch#128821).
-        end_process(code)
-    # Interpreter shutdown would walk every object torch's modules made (~0.7 s per process on
-    # our CPUs); frozen, they are left to the OS. Exit handlers and thread joins still run.
-    gc.freeze()
+        code = exit_status(exc)
+    except BaseException as exc:  # a bug, or a script's own exception: its traceback is the report
+        code = uncaught(exc)
+    finish(code)
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The exit code `python` gives a SystemExit: its number, 0 for None, else 1 with the value said."""
+    if exc.code is None:
+        return ExitCode.OK
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return ExitCode.INTERNAL
+
+
+def uncaught(exc: BaseException) -> int:
+    """Report an exception nothing caught as `python` does: sys.last_* set (Run.close reads them),
+    then sys.excepthook (a script's own, or multicard.Run's, which ends the process on multicard's
+    errors with their one line and exit code); 1, or 130 for a KeyboardInterrupt."""
+    exc = exc.with_traceback(from_the_script(exc.__traceback__))  # a script's: as under `python SCRIPT`
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    try:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    except BaseException:  # a broken hook: python then shows the exception itself
+        sys.__excepthook__(type(exc), exc, exc.__traceback__)
+    return ExitCode.SIGINT if isinstance(exc, KeyboardInterrupt) else ExitCode.INTERNAL
+
+
+def finish(code: int) -> NoReturn:
+    """End this process as the interpreter's exit does, up to its finalization: non-daemon threads
+    joined (bounded by end_in_time), exit handlers run in reverse order of registration (the
+    script's, trackers', Run.close, end_leftovers), output flushed; then the process ends.
+
+    The finalization is skipped because C++ threads that torch keeps running to the end abort it:
+    a gloo worker thread (DDP's reducer keeps the process group and its threads alive past
+    destroy_process_group) that frees a tensor after its last collective takes the GIL of a
+    finalizing interpreter, which ends that thread by a forced unwind that std::terminate stops:
+    SIGABRT, exit 134, a failed rank for a job whose work is all done (about 1 run in 6 of
+    quickstart_run.py under ddp×2; the rendezvous store's thread does the same, pytorch#128821).
+    Interpreter shutdown would also walk every object torch's modules made (~0.7 s per process)."""
     end_in_time(code)
-    raise SystemExit(code)
+    threading._shutdown()  # what the interpreter's exit does first: threading's exit calls, then the joins
+    atexit._run_exitfuncs()
+    end_process(code)
 
 
 def end_process(code: int) -> NoReturn:
-    """End this process now, its output flushed, without the interpreter's shutdown: for a rank
-    that failed (its peers must not see its connections close before the launcher hears of it),
-    and for one whose work is done and written under fsdp, where torch's native teardown
-    sometimes aborts at exit (SIGABRT, "terminate called without an active exception": a C++
-    thread still joinable) — in about 1 of 5 `plan --measure` runs and once in a CI run of the
-    tests — and the launcher then reports a failed rank for a job that succeeded. Processes the
-    user's code left running end first (end_leftovers)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    """End this process now, its output flushed, without the interpreter's shutdown (see finish):
+    at the end of every multicard process, and at once for a rank that failed (its peers must not
+    see its connections close before the launcher hears of it). Processes the user's code left
+    running end first (end_leftovers)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced by the user's code
+            pass
     end_leftovers()
-    os._exit(code)
+    os._exit(code & 0xFF)  # as exit(3) takes it: sys.exit(256) ends with 0, sys.exit(-1) with 255
 
 
 _leaving = threading.Lock()
@@ -164,8 +197,8 @@ def end_in_time(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     """Make sure the process ends with `code` once the command is done. The interpreter's exit
     waits for every non-daemon thread, and one that never ends (started by a dataset function,
     say) would keep the process, and a launcher waiting for it, alive forever: such threads get
-    `grace_s` to end, then the process ends without them, naming them. Call it just before the
-    interpreter's exit, which runs as usual meanwhile (exit handlers, threads that do end)."""
+    `grace_s` to end, then the process ends without them (and without exit handlers, which run
+    after the joins), naming them. Call it just before the joins (finish)."""
     lingering = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
     if not lingering:
         return

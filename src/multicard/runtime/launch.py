@@ -347,16 +347,15 @@ def launch_workers(
     worker_argv: list[str],
     module: str = "multicard",
     stop_timeout_s: float = CheckpointConfig.stop_timeout_s,
-    script: str | None = None,
 ) -> int:
-    """Run `python -m <module> <worker_argv>` (or, given a `script`, `python <script> <worker_argv>`:
-    a user's loop with multicard.Run) in nproc_per_node workers; return the exit code. A signal to
+    """Run `python -m <module> <worker_argv>` in nproc_per_node workers (`multicard train ...`, or
+    `multicard run SCRIPT ...`: a user's loop with multicard.Run); return the exit code. A signal to
     the launcher gives the workers up to `stop_timeout_s` to stop (StopRelay).
 
     Several nodes: ranks follow the rendezvous order (by node address), not --node-rank, which
     only says which node hosts the rendezvous.
     """
-    program = [script, *worker_argv] if script is not None else ["-m", module, *worker_argv]
+    program = ["-m", module, *worker_argv]
     os.environ[LAUNCHER_STOP_S] = f"{stop_timeout_s:g}"  # a worker whose launcher dies stops within it too
     relay = StopRelay(stop_timeout_s)
     try:
@@ -364,7 +363,7 @@ def launch_workers(
             return _launch(options, program)
     except SignalException:
         # A signal to the launcher: StopRelay has passed it on and the workers have ended.
-        return relay.report(training=script is not None or (module == "multicard" and worker_argv[:1] == ["train"]))
+        return relay.report(training=module == "multicard" and worker_argv[:1] in (["train"], ["run"]))
 
 
 def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> int:
