@@ -143,6 +143,7 @@ GLOO_AT_THE_END = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launch", [(), pytest.param(("--nproc-per-node", "2"), marks=pytest.mark.distributed)],
     ids=["one-process", "two-workers"],
@@ -169,6 +170,7 @@ AS_PYTHON_RUNS_IT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, code", [("exit", 3), ("raise", 1)])
 def test_multicard_run_runs_a_script_and_ends_it_as_python_does(tmp_path, how, code):
     """From another folder, the script imports its sibling module and sees the same argv, __file__
