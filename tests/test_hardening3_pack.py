@@ -7,12 +7,14 @@ after its case."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +146,29 @@ def test_37_2_verify_checks_everything_the_index_states(packed, copy, change, me
     if change in (_fewer_classes, _no_val):  # training refuses them at start-up too, not mid-epoch
         with pytest.raises(UserError, match=message):
             splits_of("data.name=shards", f"data.root={copy}")
+
+
+def test_verify_names_a_shard_member_that_holds_no_file(packed, copy):
+    """A shard whose label member is a folder entry (its checksum and size recorded as the index's, so
+    only the member check sees it) is one line naming the member, not a traceback."""
+    shard = copy / json.loads((copy / INDEX).read_text())["splits"]["train"]["shards"][0]["name"]
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    label = members[1][0]
+    folder = tarfile.TarInfo(label.name)
+    folder.type = tarfile.DIRTYPE
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in [members[0], (folder, b""), *members[2:]]:
+            tar.addfile(member, io.BytesIO(data) if member.isfile() else None)
+
+    def record(index):
+        index["splits"]["train"]["shards"][0].update(
+            bytes=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest()
+        )
+
+    edit_index(copy, record)
+    with pytest.raises(UserError, match=f"shard .*{shard.name}: member {label.name} is not a file; pack again"):
+        verify_pack(copy)
 
 
 # ------------------------------------------------------------------ 3: resuming onto other samples

@@ -33,9 +33,10 @@ import shutil
 import signal
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from multicard.base.store import Store, open_store
 from multicard.data import Files, Items, Splits, capped_to_cores, encoded_sample, image_header, shard_format
 from multicard.runtime.exits import die_with_parent
 from multicard.runtime.process_group import cpu_cores
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 MAX_CHUNK = 1000  # samples per chunk: small enough for progress and balance, large enough to cost little
 STORED_ORDER_SEED = 0
@@ -187,7 +191,7 @@ def describe(d: DataConfig) -> str:
     return " ".join(f"data.{key}={value}" for key, value in settings.items() if value)
 
 
-def _prepare_out(out: Path, plan: dict[str, Any], say) -> str:
+def _prepare_out(out: Path, plan: dict[str, Any], say: Callable[[str], None]) -> str:
     """'fresh', 'continuing', 'done' or 'starting over': what the folder holds, made ready for this plan."""
     partial = out / shard_format.PARTIAL
     if (out / shard_format.INDEX).is_file():
@@ -311,7 +315,7 @@ def pack_plan(d: DataConfig, splits: Splits, shard_mb: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console=None) -> str:
+def pack(d: DataConfig, splits: Splits, options: PackOptions, progress_console: Console | None = None) -> str:
     """Pack the splits into options.out; the one-line summary of what was done."""
     from rich.console import Console
 
@@ -412,7 +416,7 @@ def _verify_split(index: shard_format.Index, raw: dict[str, Any], name: str, sto
     return len(split)
 
 
-def _check_members(index: shard_format.Index, split_name: str, path: str, f: BinaryIO, mine: np.ndarray,
+def _check_members(index: shard_format.Index, split_name: str, path: str, f: IO[bytes], mine: np.ndarray,
                    hashes: list[bytes]) -> None:  # fmt: skip
     """The shard's members are the samples `mine` (in stored order) where the index says, with its
     labels and headers; each one's sha256 into `hashes`."""
@@ -427,13 +431,21 @@ def _check_members(index: shard_format.Index, split_name: str, path: str, f: Bin
                 member = f"{shard_format.sample_key(i)}.{ext[i]}"
                 if (image.name, image.offset_data, image.size) != (member, cols["offset"][i], cols["length"][i]):
                     raise UserError(f"shard {path}: member {image.name} is not where the index says; pack again")
-                if tar.extractfile(label).read() != str(int(cols["label"][i])).encode():
+                if _member_bytes(tar, label, path) != str(int(cols["label"][i])).encode():
                     raise UserError(f"shard {path}: the label of {image.name} differs from the index; pack again")
-                data = tar.extractfile(image).read()
+                data = _member_bytes(tar, image, path)
                 _check_header(index, split_name, i, data, path)
                 hashes[i] = hashlib.sha256(data).digest()
     except tarfile.TarError as exc:
         raise UserError(f"shard {path} is not a readable tar file ({exc}); pack again") from None
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> bytes:
+    """A member's bytes; one line for a member that holds none (a folder, a device: no file of a pack)."""
+    f = tar.extractfile(member)
+    if f is None:
+        raise UserError(f"shard {path}: member {member.name} is not a file; pack again")
+    return f.read()
 
 
 def _check_header(index: shard_format.Index, split_name: str, i: int, data: bytes, shard: str) -> None:
@@ -487,7 +499,7 @@ def staging_folder(url: str) -> Path:
 
 
 def pack_into(d: DataConfig, splits: Splits, store: Store, shard_mb: float, workers: int,
-              progress_console=None) -> str:  # fmt: skip
+              progress_console: Console | None = None) -> str:  # fmt: skip
     """Pack into the store's folder: made there, or in a staging folder and published (shard_format.upload_pack:
     the shards, then the index last), the staging folder removed once the index is up. The one-line summary."""
     from rich.console import Console
