@@ -112,11 +112,12 @@ def test_27_11_report_skips_odd_lines_saying_how_many_and_checks_out(tmp_path, c
     run.mkdir()
     step = {"kind": "step", "epoch": 0, "step": 4, "loss": 2.3, "top1": 10.0, "lr": 0.1, "img_per_s": 900.0}
     epoch = {"kind": "epoch", "epoch": 0, "step": 4, "train_loss": 2.3, "val_top1": 12.5, "val_loss": 2.2}
-    lines = [json.dumps(step), "[1, 2]", json.dumps({**epoch, "val_top1": "NaN"}), json.dumps(epoch), '{"kind": "st']
+    lines = [json.dumps(step), "[1, 2]", json.dumps({**epoch, "val_top1": "NaN"}), json.dumps(epoch), '{"kind": "st',
+             '{"kind": ["step"]}']  # fmt: skip
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
     captured = capsys.readouterr()
-    assert "skipped 3 unreadable line(s) of" in one_line(captured.err)
+    assert "skipped 4 unreadable line(s) of" in one_line(captured.err)
     assert "best val top-1 12.50% (epoch 0)" in captured.out and (tmp_path / "r.png").stat().st_size
     assert main(["report", str(run), "--out", str(tmp_path)]) == 2
     assert "is a directory; give a file name, e.g." in one_line(capsys.readouterr().err)

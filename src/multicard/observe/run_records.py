@@ -42,7 +42,10 @@ def _number(value: Any) -> bool:
 def _readable(record: Any) -> bool:
     if not isinstance(record, dict):
         return False
-    needed = NEEDED.get(record.get("kind"), ())
+    kind = record.get("kind")
+    if kind is not None and not isinstance(kind, str):
+        return False  # a kind that names none (a list is not even a key of one)
+    needed = NEEDED.get(kind, ()) if kind is not None else ()
     return all(_number(record.get(k)) for k in needed) and all(
         record.get(k) is None or _number(record[k]) for k in NUMERIC
     )
