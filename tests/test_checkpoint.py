@@ -4,6 +4,9 @@ import torch
 from multicard.base.atomic import save_atomic
 from multicard.base.errors import UserError
 from multicard.checkpoint import check_model_fits, load_file
+from multicard.runtime.process_group import ProcessContext
+from multicard.strategy.base import ModelSetup, Strategy
+from multicard.strategy.precision import Precision
 
 
 class Unpicklable:
@@ -51,3 +54,21 @@ def test_a_setting_added_since_the_checkpoint_differs_only_when_not_the_default(
     assert changed_settings(saved, wanted) == ["sched.name: cosine → step"]
     saved["data"]["gone"] = 3  # a setting this version no longer has, and no default to compare with
     assert "data.gone: 3 → None" in changed_settings(saved, wanted)
+
+
+class Tagged(torch.nn.Linear):
+    """A module with state of its own beside its tensors (torch's extra state: here, not a tensor)."""
+
+    def get_extra_state(self) -> dict:
+        return {"vocab": 3}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.vocab = state["vocab"]
+
+
+def test_a_whole_copy_of_the_model_state_copies_its_tensors_and_keeps_its_extra_state():
+    model = Tagged(2, 2)
+    ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
+    whole = Strategy(ctx, Precision("fp32", "cpu"), ModelSetup()).whole_model_state(model)
+    assert whole["_extra_state"] == {"vocab": 3}
+    assert torch.equal(whole["weight"], model.weight) and whole["weight"].data_ptr() != model.weight.data_ptr()

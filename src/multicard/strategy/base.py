@@ -135,7 +135,7 @@ class Strategy:
         """A copy of the model's state as whole CPU tensors on rank 0 (gathered under fsdp; empty
         elsewhere). A copy: on the CPU, offloading would hand out the live parameters themselves."""
         whole = get_model_state_dict(bare, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().clone() for k, v in whole.items()}
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in whole.items()}
 
     def load_whole_model_state(self, bare: nn.Module, state: StateDict) -> None:
         """Whole tensors into the model, every rank giving them (sharded on the way in under fsdp)."""
