@@ -15,7 +15,7 @@ CGROUP_V2 = Path("/sys/fs/cgroup")  # v2: one unified hierarchy
 
 def _own_groups() -> list[tuple[Path, Path, str]]:
     """(hierarchy root, this process's group, limit file name) for each memory hierarchy it is in."""
-    groups = []
+    groups: list[tuple[Path, Path, str]] = []
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:

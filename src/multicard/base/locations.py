@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 from multicard.base.errors import UserError
 
@@ -72,7 +73,10 @@ def is_url(value: str | None) -> bool:
 
 
 def protocol(url: str) -> str:
-    return URL.match(url)[1].lower()
+    match = URL.match(url)
+    if match is None:
+        raise ValueError(f"{url!r} is no URL (callers check is_url first)")
+    return match[1].lower()
 
 
 def check_url(url: str, key: str) -> None:
@@ -90,7 +94,7 @@ def check_url(url: str, key: str) -> None:
     filesystem_class(scheme, f"{key}={url}")
 
 
-def filesystem_class(scheme: str, given: str) -> type:
+def filesystem_class(scheme: str, given: str) -> type[Any]:
     """fsspec's filesystem for a protocol, imported; a missing package or unknown protocol is one line."""
     try:
         import fsspec
@@ -121,7 +125,7 @@ def check_local_path(value: str | None, name: str) -> None:
     """A path multicard reads or writes is a local one (a mounted filesystem counts): a URL is one
     line, never a local folder named after its scheme (s3:/bucket/... in the working directory)."""
     match = URL.match(value or "")
-    if match:
+    if match and value:
         given = shown(name, value)
         if name == "out_dir":  # the run's own files stay local; its checkpoints may go to the bucket
             raise UserError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from time import sleep  # by this name: a test records the waits of this module alone
 from typing import Any, TypeVar
 
@@ -50,7 +50,7 @@ def etag(entry: dict[str, Any]) -> str:
     return str(entry.get("ETag") or entry.get("etag") or entry.get("md5Hash") or "").strip('"').lower()
 
 
-def _chain(exc: BaseException | None):
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     """The exception, its cause, their causes…: the library's error wraps the socket's."""
     seen = set()
     while exc is not None and id(exc) not in seen:

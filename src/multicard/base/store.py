@@ -172,7 +172,6 @@ class Store:
         """`name` (an object or a folder) as a local path for as long as the block runs; a one-line error
         of what reads it names the location, not a copy."""
         raise NotImplementedError
-        yield
 
     def write_failure(self, name: str, exc: BaseException, probe: bool) -> UserError:
         """The one line of a failed write of `name` (`probe`: this process may look for the reason)."""

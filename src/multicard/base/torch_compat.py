@@ -10,6 +10,9 @@ is the one file to change. The other internals in use were also the same on both
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)
 from torch.utils._pytree import tree_flatten  # noqa: F401 (re-exported)
@@ -18,6 +21,7 @@ TESTED_TORCH = ("2.11", "2.14")  # oldest and newest minor release the suite has
 
 # Operators that return a view of an input (they move no memory): the runtime estimator's set,
 # else the same operators by name (its contents on torch 2.11 and 2.14).
+VIEW_OPS: Collection[Any]
 try:
     from torch.utils._runtime_estimation import _VIEW_OPS as VIEW_OPS
 except ImportError:  # pragma: no cover - only on a torch that moved it

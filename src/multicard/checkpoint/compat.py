@@ -65,7 +65,7 @@ def schedule_stretch(meta: dict[str, Any], config: dict[str, Any]) -> str | None
     )
 
 
-def check_format(meta: dict[str, Any], path: Path) -> None:
+def check_format(meta: dict[str, Any], path: Path | str) -> None:
     if meta.get("format") != FORMAT_VERSION or "resume" not in meta:
         raise UserError(
             f"checkpoint {path} was written by another multicard version (format {meta.get('format', 1)}, "
@@ -97,7 +97,7 @@ def changed_settings(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]
     return [f"{k}: {old.get(k)} → {new.get(k)}" for k in keys if not k.startswith(FREE_TO_CHANGE)]
 
 
-def check_settings(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
+def check_settings(meta: dict[str, Any], path: Path | str, config: dict[str, Any]) -> None:
     """The config checks of a resume, which need neither the data nor the model (a launcher
     makes them once, before starting workers)."""
     check_format(meta, path)
@@ -121,7 +121,7 @@ def check_settings(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> 
         )
 
 
-def check_weights(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
+def check_weights(meta: dict[str, Any], path: Path | str, config: dict[str, Any]) -> None:
     """model.weights starts a run; continuing a checkpoint that did not start from the same
     weights would ignore them without a word."""
     old, new = meta["config"].get("model", {}).get("weights"), config.get("model", {}).get("weights")
@@ -134,7 +134,7 @@ def check_weights(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> N
         )
 
 
-def check_not_past_the_end(meta: dict[str, Any], path: Path, config: dict[str, Any]) -> None:
+def check_not_past_the_end(meta: dict[str, Any], path: Path | str, config: dict[str, Any]) -> None:
     """A checkpoint past the end of this run's length has nothing to continue."""
     train, spe = _train_of(config), meta["resume"]["steps_per_epoch"]
     if meta["step"] > train.run_length(spe):

@@ -11,18 +11,40 @@ says which format reads it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from multicard.base.errors import UserError
 from multicard.base.store import COMMIT, LocalStore, Store, commit_name, open_store
 from multicard.checkpoint.compat import check_format
 from multicard.checkpoint.sharded import COMPLETE, Incomplete, Sharded, part_of_sharded
 from multicard.checkpoint.single_file import SingleFile
+from multicard.runtime.process_group import ProcessContext
 
-FORMATS = {"file": SingleFile(), "sharded": Sharded()}
+
+class Format(Protocol):
+    """A checkpoint format (single_file.SingleFile, sharded.Sharded): how a step is named, written and read."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pointers(self) -> tuple[str, ...]: ...  # the names of `last` and `best` it writes
+    @property
+    def needs_template(self) -> bool: ...  # it reads into tensors of the reading run's layout
+    @property
+    def whole_state(self) -> bool: ...  # rank 0 writes whole tensors (else each rank its shard)
+
+    def name_for(self, step: int) -> str: ...
+    def owns(self, path: Path) -> bool: ...
+    def write(self, store: Store, name: str, state: dict[str, Any], ctx: ProcessContext, background: Any = None,
+              wait_s: float = 0.0) -> tuple[Callable[[], None], bool]: ...  # fmt: skip
+    def read(self, path: Path, template: dict[str, Any] | None = None) -> dict[str, Any]: ...
+    def read_meta(self, path: Path) -> dict[str, Any]: ...
+
+
+FORMATS: dict[str, Format] = {"file": SingleFile(), "sharded": Sharded()}
 PREFIX = "step-"
 LAST_NAMES, BEST_NAMES = ("last", "last.pt"), ("best", "best.pt")
 POINTERS = LAST_NAMES + BEST_NAMES
@@ -46,7 +68,7 @@ def split(location: str) -> tuple[str, str]:
     return (parent or ("/" if location.startswith("/") else "")), name
 
 
-def format_of(path: Path) -> Any:
+def format_of(path: Path) -> Format:
     """The format that reads `path`."""
     whole = part_of_sharded(path)
     if whole is not None:
@@ -89,8 +111,8 @@ class CheckpointFolder:
     def leftovers(self, listing: dict[str, Any]) -> list[tuple[int, str]]:
         """(step, name as listed) of every step checkpoint a run began and never committed, newest first."""
         meant = self.store.uncommitted(listing)
-        return sorted(((step_of(meant[name]), name) for name in meant if step_of(meant[name]) is not None),
-                      reverse=True)  # fmt: skip
+        found = [(step_of(meant[name]), name) for name in meant]
+        return sorted(((step, name) for step, name in found if step is not None), reverse=True)
 
     def target(self, pointer: str, listing: dict[str, Any]) -> str | None:
         """The committed checkpoint `pointer` (one of POINTERS) names: what the run pointed it at where

@@ -20,7 +20,7 @@ from multicard.base.config import DataConfig, check_decode
 from multicard.base.errors import UserError
 from multicard.base.host_memory import available_memory
 from multicard.base.store import open_store
-from multicard.data.augmentation.device_transform import Augment, DeviceTransform
+from multicard.data.augmentation.device_transform import Augment, DeviceTransform, Finish
 from multicard.data.augmentation.policies import sample_policy
 from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
 from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip, is_small
@@ -99,22 +99,24 @@ def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:
         if not 2 <= d.num_classes <= len(CLASSES):
             raise UserError(f"data.num_classes={d.num_classes} must be in 2..{len(CLASSES)} for synthetic data")
         check_synthetic_fits(d)
-        train = InMemory(*make_synthetic(d.train_size, d.image_size, seed, d.num_classes))
-        val = InMemory(*make_synthetic(d.val_size, d.image_size, seed + VAL_SEED_OFFSET, d.num_classes))
-        splits = Splits(train, val, list(CLASSES[: d.num_classes]))
+        splits = Splits(
+            InMemory(*make_synthetic(d.train_size, d.image_size, seed, d.num_classes)),
+            InMemory(*make_synthetic(d.val_size, d.image_size, seed + VAL_SEED_OFFSET, d.num_classes)),
+            list(CLASSES[: d.num_classes]),
+        )
     elif d.name == "cifar10":
-        splits = cifar10(Path(d.root), d.download)
+        splits = cifar10(Path(d.files_root()), d.download)
     elif ":" in d.name:
         splits = function_splits(d.name, dict(d.kwargs), d.val_fraction, d.split_seed)
     elif d.name == "shards":
         cache = ShardCache(cache_folder(d), round(d.remote_cache_gb * GB)) if d.remote_cache_gb else None
-        splits = shard_splits(open_store(d.root, "data.root", d.read_retries), d.reads_in_flight, cache)
+        splits = shard_splits(open_store(d.files_root(), "data.root", d.read_retries), d.reads_in_flight, cache)
     elif d.name == "hf":
         from multicard.data.sources.hf import hf_splits  # imports the optional datasets package
 
         splits = hf_splits(d)
     else:
-        splits = image_folder(Path(d.root), d.val_fraction, d.split_seed)
+        splits = image_folder(Path(d.files_root()), d.val_fraction, d.split_seed)
     if d.val_root:
         val, classes = scan_folder(Path(d.val_root), "data.val_root")
         check_same_classes(splits.classes, classes, Path(d.val_root))
@@ -143,7 +145,7 @@ def sample_list_fingerprint(source: Source) -> str | None:
     elif isinstance(source, InMemory):
         h.update(repr(tuple(source.images.shape)).encode())
         h.update(source.labels.numpy().tobytes())
-    elif isinstance(source, Items) and isinstance(source.dataset, ShardSamples):
+    elif isinstance(source.dataset, ShardSamples):  # an Items, the last kind of Source
         h.update(source.dataset.sample_list(source.indices.numpy()))
     else:
         return None
@@ -221,7 +223,9 @@ def capped_to_cores(requested: int, setting: str, local_processes: int, say: boo
     return min(requested, share)
 
 
-def worker_transforms(d: DataConfig, seed: int, sizes: ProgressiveSize | None) -> tuple[Transform, Transform]:
+def worker_transforms(
+    d: DataConfig, seed: int, sizes: ProgressiveSize | None
+) -> tuple[RandomResizedCropFlip | FitSquare, FitSquare]:
     """What the workers loader's processes do to each training and evaluation image."""
     eval_size = d.eval_size or d.image_size
     small = is_small(d.image_size)
@@ -230,7 +234,8 @@ def worker_transforms(d: DataConfig, seed: int, sizes: ProgressiveSize | None) -
         return eval_tf, eval_tf
     if not d.augment:  # training images at their own size, though evaluated at another
         return FitSquare(d.image_size, round(d.image_size * 8 / 7)), eval_tf
-    return RandomResizedCropFlip(d.image_size, tuple(d.crop_scale), flip=True, seed=seed, sizes=sizes), eval_tf
+    scale = (d.crop_scale[0], d.crop_scale[1])  # two numbers (DataConfig.check)
+    return RandomResizedCropFlip(d.image_size, scale, flip=True, seed=seed, sizes=sizes), eval_tf
 
 
 def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: ProcessContext) -> Data:
@@ -246,8 +251,8 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     small = is_small(d.image_size)
     augment = Augment(d.crop_padding, flip=True) if d.augment and small else None
     sizes = progressive_size(d)
-    train_finish = DeviceTransform(d.mean, d.std, ctx.device, augment, seed, sample_policy(d, seed), sizes)
-    eval_finish = DeviceTransform(d.mean, d.std, ctx.device, None, seed)
+    train_finish: Finish = DeviceTransform(d.mean, d.std, ctx.device, augment, seed, sample_policy(d, seed), sizes)
+    eval_finish: Finish = DeviceTransform(d.mean, d.std, ctx.device, None, seed)
     order = order_of(splits.train, d.order)  # data.order=local: runs of neighbours (data/sources/shards.py)
     sampler = (
         ShardedBatchSampler(len(splits.train), batch_split, ctx.rank, seed, d.repeats, order) if batch_split else None
@@ -256,16 +261,18 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     fingerprint = sample_list_fingerprint(splits.train) if batch_split is not None else None
 
     if kind == "device":
-        train, val = _device_loaders(d, splits, sampler, ctx, train_finish, eval_finish)
-        return Data(train, val, num_classes, classes, kind, fingerprint)
+        loaders = _device_loaders(d, splits, sampler, ctx, train_finish, eval_finish)
+        return Data(*loaders, num_classes, classes, kind, fingerprint)
 
     workers = loader_processes(d.num_workers, ctx)
-    train_tf, eval_tf = worker_transforms(d, seed, sizes)
+    cpu_train, cpu_eval = worker_transforms(d, seed, sizes)
+    train_tf: Transform = cpu_train
+    eval_tf: Transform = cpu_eval
     eval_size = d.eval_size or d.image_size
     collate = None
     if choose_decode(d.decode, kind, splits, d.image_size, ctx.device) == "gpu":
         # Workers read the files and plan the crops; nvjpeg decodes and the GPU crops (data/decoding/gpu_decode.py).
-        train_tf, eval_tf = JpegTransform(train_tf), JpegTransform(eval_tf)
+        train_tf, eval_tf = JpegTransform(cpu_train), JpegTransform(cpu_eval)
         train_finish = GpuDecode(
             d.mean, d.std, ctx.device, seed, d.image_size, policy=sample_policy(d, seed), sizes=sizes
         )
@@ -282,7 +289,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
 
 def _device_loaders(
     d: DataConfig, splits: Splits, sampler: ShardedBatchSampler | None, ctx: ProcessContext,
-    train_finish: DeviceTransform, eval_finish: DeviceTransform,
+    train_finish: Finish, eval_finish: Finish,
 ) -> tuple[DeviceTrainLoader | None, DeviceEvalLoader]:  # fmt: skip
     """The device loader's training (with a sampler) and validation loaders: decoded images in memory."""
     cache_dir = cache_folder(d)

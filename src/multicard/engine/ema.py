@@ -14,14 +14,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(t: Any) -> bool:
+
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """A DTensor (fsdp's sharded tensors). Without torch.distributed.tensor loaded there is none:
     the module is not imported for the question (it costs every process ~0.4 s to start)."""
     module = sys.modules.get("torch.distributed.tensor")

@@ -166,7 +166,7 @@ class TrainMeter:
         for the others). A collective when there are several ranks."""
         sums, elapsed = self.since_log, time.perf_counter() - self.log_started
         parts, mine = step_split(self.step_times, self.strategy)
-        record = {
+        record: dict[str, Any] = {
             "epoch": epoch,
             "step": step,
             "loss": sums.loss,

@@ -292,12 +292,13 @@ class Trainer:
 def validation(trainer: Trainer) -> tuple[EvalResult, EvalResult | None]:
     """The epoch's validation of the model, and of its weights' EMA where the run keeps one (with
     the average swapped in, and rank 0's BatchNorm statistics of it, as checkpoints keep them)."""
-    assert trainer.val_loader is not None
+    loader = trainer.val_loader
+    assert loader is not None
 
     def run() -> EvalResult:
         trainer.strategy.agree_buffers(trainer.bare)  # the statistics the epoch's checkpoint holds
-        loader, strategy, flip = trainer.val_loader, trainer.strategy, trainer.schedule.eval_flip
-        return evaluate(trainer.bare, loader, strategy, trainer.clock.tick, flip)  # type: ignore[arg-type]
+        strategy, flip = trainer.strategy, trainer.schedule.eval_flip
+        return evaluate(trainer.bare, loader, strategy, trainer.clock.tick, flip)
 
     if trainer.ema is None:
         return run(), None

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -61,7 +61,7 @@ class Reporter:
         self._progress: Progress | None = None
         self._task: Any = None
         self._last_refresh = 0.0
-        self._metrics = None
+        self._metrics: TextIO | None = None
         self._metrics_path = Path()
         self._due: tuple[Path, int | None, dict[Path, str]] | None = None  # run files not written yet
 
@@ -135,7 +135,7 @@ class Reporter:
 
     def advance(self, epoch: int, status: str | None = None) -> None:
         if self._progress is not None:
-            fields = {"status": status} if status is not None else {}
+            fields: dict[str, Any] = {"status": status} if status is not None else {}  # the bar's own field
             self._progress.update(self._task, advance=1, description=f"epoch {epoch}", **fields)
             now = time.monotonic()
             if now - self._last_refresh >= REFRESH_S:
@@ -349,7 +349,7 @@ class TensorBoardLog(Callback):
     _open: Callable[[], Any] | None = None  # makes the writer, until it is made
 
     def __init__(self, folder: Path, is_main: bool, resumed_at: int | None) -> None:
-        self.writer = None
+        self.writer: Any = None  # torch's SummaryWriter (an optional extra's)
         if not is_main:
             return
         summary_writer = tensorboard_writer()

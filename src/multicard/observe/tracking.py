@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -127,7 +128,7 @@ class WandbRun:
             id=previous.get("run_id"),
             resume="allow",
             dir=str(out_dir),
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]  # log.wandb_mode or WANDB_MODE: a string wandb checks itself
             # Its console capture would wrap multicard's output; git lookups and system sampling cost
             # start-up time and CPU that the run's steps are measured against.
             settings=wandb.Settings(console="off", silent=True, disable_git=True, x_disable_stats=True),
@@ -197,7 +198,7 @@ class Trackers:
         self.runs: list[Any] = []
         for key in (k for k in TRACKERS if getattr(log, k)):
             previous = self.state.get(key, {})
-            run = self.attempt(key, "start a run", lambda k=key, p=previous: TRACKERS[k](log, out_dir, out_dir.name, p))
+            run = self.attempt(key, "start a run", partial(TRACKERS[key], log, out_dir, out_dir.name, previous))
             if run is not None:
                 self.runs.append(run)
                 # continued: the steps it has already are not sent again
@@ -247,7 +248,7 @@ class Trackers:
     def each(self, what: str, call: Callable[[Any], Any], only: Callable[[Any], bool] = lambda run: True) -> None:
         for run in list(self.runs):
             if only(run):
-                self.attempt(run.key, what, lambda r=run: call(r))
+                self.attempt(run.key, what, partial(call, run))
 
 
 class TrackerLog(TensorBoardLog):

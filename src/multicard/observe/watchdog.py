@@ -72,7 +72,8 @@ class Beat:
 def main_thread_location() -> tuple[str, bool]:
     """(file:line of the main thread's innermost frame in multicard, else its innermost frame;
     whether that innermost frame is inside torch.distributed or DDP: waiting in a collective)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 -- made for this
+    ident = threading.main_thread().ident  # None only for a thread not started: the main thread has
+    frame = sys._current_frames().get(ident) if ident is not None else None  # noqa: SLF001 -- made for this
     innermost, waiting = None, False
     while frame is not None:
         path = Path(frame.f_code.co_filename)

@@ -4,7 +4,7 @@ statistics over the global batch (sync_bn)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,10 @@ class DistributedStrategy(Strategy):
         super().__init__(ctx, precision, setup)
         self.sync_bn = sync_bn
         # Control flags travel on the CPU: a gloo group beside NCCL (gloo's default group serves).
-        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        # Every rank is a member of this group of all ranks: new_group returns a ProcessGroup, never NON_GROUP_MEMBER.
+        self.control_group: dist.ProcessGroup | None = (
+            cast(dist.ProcessGroup, dist.new_group(backend="gloo")) if dist.get_backend() != "gloo" else None
+        )
 
     def convert(self, model: nn.Module) -> nn.Module:
         if not self.sync_bn:
@@ -53,6 +56,7 @@ class DistributedStrategy(Strategy):
     def start_max(self, value: int) -> Callable[[], int]:
         flag = torch.tensor([value], dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+        assert work is not None  # async_op=True returns the Work to wait on
 
         def wait() -> int:
             work.wait()

@@ -36,5 +36,5 @@ def compiled_original(model: nn.Module) -> nn.Module | None:
     # Without torch._dynamo loaded no such wrapper exists; importing it would cost ~1 s.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        return model._orig_mod  # type: ignore[return-value]
+        return model._orig_mod
     return None

@@ -6,7 +6,7 @@ import copy
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -54,7 +54,7 @@ class DDPStrategy(DistributedStrategy):
             static_graph=knobs.static_graph,
             gradient_as_bucket_view=knobs.gradient_as_bucket_view,
             find_unused_parameters=knobs.find_unused_parameters,
-            **{buffers_kw: knobs.broadcast_buffers},
+            **cast("dict[str, Any]", {buffers_kw: knobs.broadcast_buffers}),  # a bool, under either name
         )
         hook = comm_hook(knobs)
         if hook is not None:
@@ -62,7 +62,7 @@ class DDPStrategy(DistributedStrategy):
         return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
-        return model.no_sync()  # type: ignore[operator]
+        return cast(nn.parallel.DistributedDataParallel, model).no_sync()  # the module wrap() returned
 
     # ------------------------------------------------------------ ZeRO-1
 
@@ -87,8 +87,8 @@ class DDPStrategy(DistributedStrategy):
             assert self._recipe is not None
             return get_state_dict(bare, self._recipe.build())
         optimizer.consolidate_state_dict(to=0)
-        whole = named_optimizer_state(optimizer.state_dict(), self._optimizer_order) if self.ctx.is_main else {}
-        return get_model_state_dict(bare), whole
+        optim_state = named_optimizer_state(optimizer.state_dict(), self._optimizer_order) if self.ctx.is_main else {}
+        return get_model_state_dict(bare), optim_state
 
     def load_state_dicts(
         self, bare: nn.Module, optimizer: torch.optim.Optimizer, model_state: StateDict, optim_state: StateDict

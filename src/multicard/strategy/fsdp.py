@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from multicard.base.config import FSDPConfig
@@ -76,7 +76,9 @@ class FSDPStrategy(DistributedStrategy):
         model = self.convert(model)
         mesh = self.mesh()
         policy = self.policy()
-        shard = {"mesh": mesh, "reshard_after_forward": self.options.reshard_after_forward, "mp_policy": policy}
+        shard: dict[str, Any] = {  # fully_shard's keyword arguments
+            "mesh": mesh, "reshard_after_forward": self.options.reshard_after_forward, "mp_policy": policy
+        }
         if self.precision.name in REDUCED:
             for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
                 fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=REDUCED[self.precision.name])
@@ -101,11 +103,12 @@ class FSDPStrategy(DistributedStrategy):
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        sharded = cast(FSDPModule, model)  # prepare() made it one: fully_shard turns the module itself into one
+        sharded.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            sharded.set_requires_gradient_sync(True)
 
     def state_dicts(
         self, bare: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False

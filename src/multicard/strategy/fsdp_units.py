@@ -34,8 +34,9 @@ def family_units(model: nn.Module) -> list[nn.Module] | None:
     # residual blocks; each block is a unit, as for torchvision's ResNet. Matched by layout, since
     # timm is an optional extra.
     layers = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
-    if all(isinstance(layer, nn.Sequential) and len(layer) > 0 for layer in layers):
-        return [block for layer in layers for block in layer]
+    sequences = [layer for layer in layers if isinstance(layer, nn.Sequential) and len(layer) > 0]
+    if len(sequences) == len(layers):
+        return [block for layer in sequences for block in layer]
     for name in ("blocks", "stages", "layers"):  # timm: ViTs have blocks (one per unit), ConvNeXt/EfficientNet stages
         children = getattr(model, name, None)
         if isinstance(children, (nn.Sequential, nn.ModuleList)) and len(children) > 1:

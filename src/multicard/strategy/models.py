@@ -130,6 +130,9 @@ class PatchWhitening(nn.Module):
     6e-11 away from one process's on synthetic data, against 3e-14 with this sum (issue 37).
     """
 
+    weight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    fitted: torch.Tensor
+
     def __init__(self, patch: int = 2, eps: float = 5e-4) -> None:
         super().__init__()
         dims = 3 * patch * patch

@@ -21,7 +21,8 @@ def scaled_lr(o: OptimConfig, global_batch: int) -> float:
 
 def _param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[dict]:
     """No weight decay on biases and normalisation weights (1-D parameters) unless decay_1d."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim <= 1 and not decay_1d else decay).append(p)

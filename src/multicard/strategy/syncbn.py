@@ -52,7 +52,9 @@ class GlobalBatchNorm(nn.BatchNorm2d):
             return super().forward(x)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         centred, mean, var, n = global_moments(xf)
-        if self.track_running_stats:
+        if self.track_running_stats:  # then the three buffers are tensors (torch's _NormBase makes them)
+            assert self.running_mean is not None and self.running_var is not None
+            assert self.num_batches_tracked is not None
             with torch.no_grad():
                 self.num_batches_tracked += 1
                 factor = self.momentum if self.momentum is not None else 1 / float(self.num_batches_tracked)

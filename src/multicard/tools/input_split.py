@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,8 +63,8 @@ class RankSplit:
         return max(per, key=per.__getitem__)
 
 
-def _read(source: Source, i: int) -> object:
-    """The storage read alone: the bytes (or the dataset's item) of sample i."""
+def _read(source: Source, i: int) -> Any:
+    """The storage read alone: the bytes (or the dataset's item, or the pixels in memory) of sample i."""
     if isinstance(source, Files):
         return (source.root / source.paths[i]).read_bytes()
     if isinstance(source, Items):
@@ -70,7 +72,7 @@ def _read(source: Source, i: int) -> object:
     return source.images[i]
 
 
-def _decode(source: Source, raw: object, i: int) -> torch.Tensor:
+def _decode(source: Source, raw: Any, i: int) -> torch.Tensor:
     if isinstance(source, Files):
         return EncodedImage.from_bytes(raw, str(source.root / source.paths[i])).tensor()
     if isinstance(source, Items):
@@ -88,7 +90,8 @@ def measure_rank(cfg: Config, rank: int, world_size: int, batches: int, ctx: Pro
     here = dataclasses.replace(ctx, rank=rank, world_size=world_size, local_world_size=world_size)
     data = build_data(d, cfg.seed, split, here)
     try:
-        images, finish, sampler = data.train.loader.dataset, data.train.finish, data.train.sampler
+        train: Any = data.train  # the workers loader (loader=workers above), whose stages are timed one by one
+        images, finish, sampler = train.loader.dataset, train.finish, train.sampler
         seconds = dict.fromkeys(STAGES, 0.0)
         samples, device_augment = 0, 0.0
         sampler.set_epoch(0)
@@ -107,8 +110,11 @@ def measure_rank(cfg: Config, rank: int, world_size: int, batches: int, ctx: Pro
         data.close()
 
 
-def _time_batch(images, finish, indices: torch.Tensor, device: torch.device, seconds: dict[str, float]) -> float:
-    """Add the batch's stage times to `seconds`; the seconds of its last step on the device."""
+def _time_batch(
+    images: Any, finish: Callable[..., Any], indices: torch.Tensor, device: torch.device, seconds: dict[str, float]
+) -> float:
+    """Add the batch's stage times to `seconds`; the seconds of its last step on the device. `images`: the
+    workers loader's dataset (its source and per-image transform), `finish`: its step on the device."""
     pixels = []
     t0 = time.perf_counter()
     samples = (indices % len(images.source)).tolist()  # a repeated copy (data.repeats) reads its sample
@@ -153,6 +159,7 @@ def step_seconds(cfg: Config, batch: int, num_classes: int, ctx: ProcessContext,
     size = cfg.data.image_size
     x = torch.randn(batch, 3, size, size, device=device, dtype=strategy.precision.param_dtype)
     y = torch.randint(0, num_classes, (batch,), device=device)
+    start = time.perf_counter()  # taken again after the warm-up steps
     for i in range(steps + 2):
         if i == 2:  # after warm-up
             _sync(device)

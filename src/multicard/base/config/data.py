@@ -83,6 +83,11 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
     eval_batch_size: int = 500  # per process
 
+    def files_root(self) -> str:
+        """data.root of a dataset that reads files (READS_ROOT), which check() requires."""
+        assert self.root, f"data.name={self.name} has no data.root: the config was not checked"
+        return self.root
+
     def check(self) -> None:
         """Range and choice checks of the data section."""
         if ":" not in self.name and self.name not in DATASETS:  # a function is checked when it is imported

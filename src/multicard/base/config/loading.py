@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -77,7 +77,7 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 def _merge(base: DictConfig, other: DictConfig) -> DictConfig:
     try:
-        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+        return cast(DictConfig, OmegaConf.merge(base, other))  # two mappings merge into a mapping
     except OmegaConfBaseException as exc:
         raise UserError(f"bad config: {_one_line(exc)}") from None
 
@@ -92,7 +92,7 @@ def _finish(node: DictConfig, overrides: list[str] | None) -> Config:
             raise UserError(f"bad override '{item}': {_one_line(exc)}") from None
         node = _merge(node, dotlist)
     try:
-        cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
+        cfg = cast(Config, OmegaConf.to_object(node))  # the node is OmegaConf.structured(Config), merged
     except OmegaConfBaseException as exc:
         raise UserError(f"bad config: {_one_line(exc)}") from None
     cfg = _canonical_paths(cfg)
@@ -109,8 +109,10 @@ def _canonical_paths(cfg: Config) -> Config:
         if value:
             section, _, name = key.rpartition(".")
             changes.setdefault(section, {})[name] = canonical(value, key)
-    top = changes.pop("", {})
-    sections = {section: dataclasses.replace(getattr(cfg, section), **values) for section, values in changes.items()}
+    top: dict[str, Any] = changes.pop("", {})  # keyword arguments of several fields' types
+    sections: dict[str, Any] = {
+        section: dataclasses.replace(getattr(cfg, section), **values) for section, values in changes.items()
+    }
     return dataclasses.replace(cfg, **top, **sections)
 
 

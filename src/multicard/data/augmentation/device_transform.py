@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,17 @@ class Augment:
 
     padding: int
     flip: bool
+
+
+class Finish(Protocol):
+    """What a loader hands each batch to on the training device: a DeviceTransform (uint8 pixels), or
+    data.decode=gpu's GpuDecode (the workers' encoded batches)."""
+
+    device: torch.device
+
+    def __call__(
+        self, x: Any, y: torch.Tensor, indices: torch.Tensor, epoch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class DeviceTransform:

@@ -73,6 +73,12 @@ def resample_region(
     return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 
+def reduced(corners: tuple[float, float, float, float], reduce: int) -> tuple[float, float, float, float]:
+    """(left, top, right, bottom) of the full-size image, in pixels of its 1/reduce decode (exactly)."""
+    left, top, right, bottom = corners
+    return left / reduce, top / reduce, right / reduce, bottom / reduce
+
+
 class FitSquare:
     """Resize the shorter side and centre-crop: small images (any split), large evaluation images."""
 
@@ -93,10 +99,10 @@ class FitSquare:
         width, height = picture_size(image)
         # A reduced decode must still cover the crop, which it does unless the crop pads.
         reduce = reduction(image, min(width, height) / self.resize) if self.resize >= self.size else 1
-        if reduce > 1:
+        if reduce > 1 and isinstance(image, EncodedImage):  # only an encoded image decodes reduced
             pixels, reduce = image.decode(reduce)
-            region = [v / reduce for v in centre_region(width, height, self.resize, self.size)]
-            return resample_region(pixels, tuple(region), self.size, self.size)
+            region = reduced(centre_region(width, height, self.resize, self.size), reduce)
+            return resample_region(pixels, region, self.size, self.size)
         new_width, new_height = resized_size(width, height, self.resize)
         return TF.center_crop(resample(whole(image), new_height, new_width), [self.size, self.size])
 
@@ -118,9 +124,9 @@ class RandomResizedCropFlip:
         uniforms = crop_uniforms(self.seed, epoch, index)
         box = random_resized_box(*picture_size(image), self.scale, uniforms)
         reduce = reduction(image, min(box.width, box.height) / size)
-        if reduce > 1:  # the box's corners fall between reduced pixels: map them exactly
+        if reduce > 1 and isinstance(image, EncodedImage):  # its corners fall between reduced pixels: map them exactly
             pixels, reduce = image.decode(reduce)
-            out = resample_region(pixels, tuple(v / reduce for v in box.corners), size, size)
+            out = resample_region(pixels, reduced(box.corners, reduce), size, size)
         else:
             out = resample(crop(image, box), size, size)
         return out.flip(-1) if self.flip and flips(uniforms) else out

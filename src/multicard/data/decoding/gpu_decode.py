@@ -59,15 +59,17 @@ def apply_crop(image: torch.Tensor, crop: Crop, size: int) -> torch.Tensor:
     return resize_ops().center_crop(region, [size, size]) if (crop.height, crop.width) != (size, size) else region
 
 
-class GpuDecode(DeviceTransform):
+class GpuDecode:
     """Turns an EncodedBatch into normalised training input on the device (`decode` is nvjpeg;
-    tests give a CPU decoder to run the same arithmetic without a GPU)."""
+    tests give a CPU decoder to run the same arithmetic without a GPU): the batch's pixels assembled,
+    then finished by a DeviceTransform."""
 
     def __init__(
         self, mean: Sequence[float], std: Sequence[float], device: torch.device, seed: int, size: int,
         decode: Decoder = nvjpeg, policy: SamplePolicy | None = None, sizes: ProgressiveSize | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(mean, std, device, None, seed, policy, sizes)
+        self.finish = DeviceTransform(mean, std, device, None, seed, policy, sizes)
+        self.device = device
         self.size = size
         self.decode = decode
         self.fell_back = False
@@ -75,7 +77,7 @@ class GpuDecode(DeviceTransform):
     def __call__(
         self, x: EncodedBatch, y: torch.Tensor, indices: torch.Tensor, epoch: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().__call__(self.assemble(x), y, indices, epoch)
+        return self.finish(self.assemble(x), y, indices, epoch)
 
     def assemble(self, batch: EncodedBatch) -> torch.Tensor:
         """float (N, 3, S, S) of uint8 values on the device, in the batch's order."""

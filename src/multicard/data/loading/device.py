@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from multicard.data.augmentation.device_transform import DeviceTransform
+from multicard.data.augmentation.device_transform import Finish
 from multicard.data.loading.loaders import SampledTrainLoader
 from multicard.data.loading.sampling import ShardedBatchSampler, eval_batches
 from multicard.data.loading.transfer import to_device
@@ -37,7 +37,7 @@ class TensorImages:
 class DeviceTrainLoader(SampledTrainLoader):
     """Yields (x, y) micro-batches of this rank for one epoch; call set_epoch first."""
 
-    def __init__(self, data: TensorImages, sampler: ShardedBatchSampler, finish: DeviceTransform):
+    def __init__(self, data: TensorImages, sampler: ShardedBatchSampler, finish: Finish):
         super().__init__(sampler)
         self.data = data
         self.finish = finish
@@ -53,7 +53,7 @@ class DeviceTrainLoader(SampledTrainLoader):
 class DeviceEvalLoader:
     """Yields (x, y) batches of this rank's share of the evaluation set, each sample once."""
 
-    def __init__(self, data: TensorImages, batch_size: int, rank: int, world_size: int, finish: DeviceTransform):
+    def __init__(self, data: TensorImages, batch_size: int, rank: int, world_size: int, finish: Finish):
         self.data = data
         self.batches = eval_batches(len(data), rank, world_size, batch_size)
         self.finish = finish

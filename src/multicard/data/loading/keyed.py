@@ -67,6 +67,6 @@ def move_to(batch: Any, device: torch.device, floats: torch.dtype = torch.float3
     if isinstance(batch, dict):
         return {k: move_to(v, device, floats) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        moved = [move_to(v, device, floats) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
+        items = [move_to(v, device, floats) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)  # namedtuples too
     return batch

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from multicard.base.errors import UserError
 from multicard.data.augmentation.augment import sample_random
-from multicard.data.augmentation.device_transform import DeviceTransform
+from multicard.data.augmentation.device_transform import Finish
 from multicard.data.augmentation.transforms import Picture
 from multicard.data.decoding.decode import read_image
 from multicard.data.loading.loaders import SampledTrainLoader
@@ -126,7 +126,8 @@ def _one_line_worker_error(exc: UserError) -> UserError:
 
 
 def data_loader(
-    dataset: Dataset, keys: Keys, num_workers: int, device: torch.device, seed: int, rank: int, collate=None
+    dataset: Dataset, keys: Keys, num_workers: int, device: torch.device, seed: int, rank: int,
+    collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
     loader = DataLoader(
         dataset,
@@ -166,7 +167,7 @@ def shutdown_workers(loader: DataLoader) -> None:
         loader._iterator = None
 
 
-def _batches(loader: DataLoader, finish: DeviceTransform, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(loader: DataLoader, finish: Finish, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     try:
         for x, y, indices in loader:
             yield finish(x, y, indices, epoch)
@@ -182,7 +183,7 @@ class WorkerTrainLoader(SampledTrainLoader):
         source: Source,
         transform: Transform,
         sampler: ShardedBatchSampler,
-        finish: DeviceTransform,
+        finish: Finish,
         num_workers: int,
         seed: int,
         rank: int,
@@ -210,7 +211,7 @@ class WorkerEvalLoader:
         batch_size: int,
         rank: int,
         world_size: int,
-        finish: DeviceTransform,
+        finish: Finish,
         num_workers: int,
         seed: int,
         collate: Callable | None = None,

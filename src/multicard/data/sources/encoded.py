@@ -51,7 +51,7 @@ def opened(data: bytes) -> Iterator[Image.Image]:
             yield image
 
 
-def unreadable(path: Path, exc: BaseException) -> UserError:
+def unreadable(path: Path | str, exc: BaseException) -> UserError:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return UserError(f"cannot decode image {path} ({reason}); remove or replace the file")
 

@@ -149,7 +149,7 @@ def check_labels(d: DataConfig, split: str, labels: np.ndarray, classes: list[st
 
 
 def hf_splits(d: DataConfig) -> Splits:
-    root = Path(d.root)
+    root = Path(d.files_root())
     splits = load(root)
     names = ", ".join(splits)
     if d.hf_train_split not in splits:

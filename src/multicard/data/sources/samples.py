@@ -30,11 +30,12 @@ def png(pixels: torch.Tensor) -> bytes:
 
 def encoded_sample(source: Source, i: int) -> tuple[bytes, str, int, int, int, str, str]:
     """(encoded bytes, extension, label, width, height, format, mode) of sample i; only a file's header is parsed."""
+    image: torch.Tensor | EncodedImage
     if isinstance(source, Files):
         image, label = EncodedImage.read(source.root / source.paths[i]), int(source.labels[i])
     elif isinstance(source, Items):
-        image, label = read_item(source, i)
-        label = int(label)
+        image, target = read_item(source, i)
+        label = int(target)
     else:
         image, label = source.images[i], int(source.labels[i])
     if isinstance(image, EncodedImage):

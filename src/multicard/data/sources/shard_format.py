@@ -260,7 +260,7 @@ def _packed_split(store: Store, part: dict[str, Any]) -> PackedSplit:
     shards = [store.join(str(s["name"])) for s in part["shards"]]
     columns = {c: np.asarray(part[c], dtype=np.int64) for c in COLUMNS}
     header = {c: [str(v) for v in part[c]] for c in HEADER}
-    if len({len(v) for v in (*columns.values(), *header.values())}) != 1:
+    if len({len(v) for v in columns.values()} | {len(v) for v in header.values()}) != 1:
         raise ValueError("columns of different lengths")
     digest = part.get("samples_sha256")
     sizes, sums = [int(s["bytes"]) for s in part["shards"]], [s.get("sha256") for s in part["shards"]]

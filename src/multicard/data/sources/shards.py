@@ -130,6 +130,7 @@ class ShardSamples:
             self.cache.put(self.keys[shard], data)
         if self.whole:
             return Kept(data, self.split.shards[shard])
+        assert self.cache is not None  # _open downloads whole shards only for a whole split or into a cache
         return self.cache.open(self.keys[shard], len(data), None, self.split.shards[shard])
 
     def _download(self, shards: list[int]) -> dict[int, bytes]:
@@ -286,9 +287,9 @@ def order_of(source: Any, name: str) -> Callable[[int, int, int], torch.Tensor] 
     if name == "global":
         return None
     dataset = getattr(source, "dataset", None)
-    packed = isinstance(dataset, ShardSamples) and torch.equal(source.indices, torch.arange(len(dataset)))
-    stored = dataset.stored() if packed else torch.arange(len(source))
-    return partial(local_order, stored)
+    if isinstance(dataset, ShardSamples) and torch.equal(source.indices, torch.arange(len(dataset))):
+        return partial(local_order, dataset.stored())
+    return partial(local_order, torch.arange(len(source)))
 
 
 def prefetch_items(source: Any, indices: list[int]) -> None:

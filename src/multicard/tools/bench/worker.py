@@ -17,9 +17,10 @@ import torch
 
 from multicard.base.config import Config, config_from_dict
 from multicard.base.errors import MulticardError
+from multicard.engine.loop import Loop
 from multicard.engine.phases import summary_ms
 from multicard.engine.step_timer import StepTimer
-from multicard.engine.trainer import Callback, StepEnd, Trainer, peak_memory_mb
+from multicard.engine.trainer import Callback, StepEnd, peak_memory_mb
 from multicard.run.assembly import Assembly
 from multicard.run.preflight import check_extras
 from multicard.runtime.environment import detect_env
@@ -42,14 +43,15 @@ class HeldState(Callback):
     def __init__(self) -> None:
         self.mib: dict[str, float] = {}
 
-    def on_gradients(self, trainer: Trainer) -> None:
-        if trainer.position.global_step < 1 or self.mib:
+    def on_gradients(self, loop: Loop) -> None:
+        if loop.position.global_step < 1 or self.mib:
             return  # once: not on steps that are timed after it
-        params = list(trainer.bare.parameters())
+        assert loop.bare is not None and loop.optimizer is not None  # attached: it is training
+        params = list(loop.bare.parameters())
         self.mib = {
             "params": held_bytes(params) / 2**20,
             "grads": held_bytes(p.grad for p in params) / 2**20,
-            "optimizer": held_bytes(optimizer_tensors(trainer.optimizer)) / 2**20,
+            "optimizer": held_bytes(optimizer_tensors(loop.optimizer)) / 2**20,
         }
 
 
@@ -57,7 +59,7 @@ class CommSpans(Callback):
     def __init__(self, timer: CommTimer) -> None:
         self.timer = timer
 
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
         self.timer.end_step()
 
 

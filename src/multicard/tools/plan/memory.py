@@ -260,7 +260,7 @@ def largest_batch(model: StepModel, layout: Layout, budget: float, fixed: float,
     0 if not even `step` fits. Exact: the total at each op is affine in n."""
 
     def total(n: float) -> np.ndarray:
-        t = sum(timeline(model, layout, n).values())
+        t = np.asarray(sum(timeline(model, layout, n).values()))
         if layout.kind == "dp":
             t = t + dp_first_gpu_extra(model, layout, n)
         return t + fixed

@@ -168,7 +168,7 @@ class OpRecorder(TorchDispatchMode):
         self._resize(key, 0, size)
         if new:
             self.largest_new = max(self.largest_new, size)
-        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._forget(key))
+        self._refs[key] = weakref.ref(storage, lambda _: self._forget(key))
 
     def _resize(self, key: int, old: int, new: int) -> None:
         self._bytes[key] = new

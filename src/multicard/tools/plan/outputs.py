@@ -32,6 +32,7 @@ def table(plan: Plan) -> Table:
     and results as rows: fits an 80-column terminal."""
     unit, name = _unit(plan)
     rows = [r for r in plan.rows if r.memory is not None]
+    peaks = [r.memory for r in plan.rows if r.memory is not None]  # the same rows' memory
     t = Table(title=f"{plan.model_name} {plan.image_size}px {plan.precision}, global batch {plan.global_batch}, "
                     f"{plan.target.label}", title_justify="left")  # fmt: skip
     t.add_column(f"per device, {name}")
@@ -43,12 +44,11 @@ def table(plan: Plan) -> Table:
 
     line("processes × micro-batch", [f"{r.processes}×{r.micro_batch}" for r in rows])
     for c in COMPONENTS:
-        line(c if c != "buckets" else "comm buffers", [_fmt(r.memory.parts.get(c, 0.0), unit) for r in rows])  # type: ignore[union-attr]
-    if any(r.memory.first_gpu_extra for r in rows):  # type: ignore[union-attr]
-        line("first GPU extra (dp)", [_fmt(r.memory.first_gpu_extra, unit) if r.memory.first_gpu_extra else ""
-                                      for r in rows])  # type: ignore[union-attr]  # fmt: skip
-    line("total", [("" if r.memory.total <= r.budget else "[red]") + _fmt(r.memory.total, unit)  # type: ignore[union-attr]
-                   for r in rows], style="bold")  # fmt: skip
+        line(c if c != "buckets" else "comm buffers", [_fmt(m.parts.get(c, 0.0), unit) for m in peaks])
+    if any(m.first_gpu_extra for m in peaks):
+        line("first GPU extra (dp)", [_fmt(m.first_gpu_extra, unit) if m.first_gpu_extra else "" for m in peaks])
+    line("total", [("" if m.total <= r.budget else "[red]") + _fmt(m.total, unit)
+                   for r, m in zip(rows, peaks, strict=True)], style="bold")  # fmt: skip
     line("largest micro-batch", [str(r.max_micro_batch) for r in rows])
     line("grad_accum that fits", [str(r.accum) if r.accum else "[red]none" for r in rows])
     line("step ms", [f"{r.time.total_s * 1000:,.1f}" if r.time else "—" for r in rows])
@@ -147,13 +147,14 @@ def plot(plan: Plan, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in plan.rows if r.memory is not None]
+    peaks = [r.memory for r in plan.rows if r.memory is not None]  # the same rows' memory
     unit, name = _unit(plan)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 3), 4.8))
     labels = [r.candidate.label.replace(" (", "\n(") for r in rows]
     bottom = [0.0] * len(rows)
     for component in (*COMPONENTS, "first GPU extra"):
-        values = [(r.memory.first_gpu_extra if component == "first GPU extra" else r.memory.parts.get(component, 0.0))
-                  / unit for r in rows]  # type: ignore[union-attr]  # fmt: skip
+        values = [(m.first_gpu_extra if component == "first GPU extra" else m.parts.get(component, 0.0)) / unit
+                  for m in peaks]  # fmt: skip
         if any(values):
             ax.bar(labels, values, bottom=bottom, label=component)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]

@@ -201,11 +201,11 @@ CLOSE = 0.03  # step times within 3% count as equal
 
 def recommend(rows: list[Row]) -> tuple[Row | None, str]:
     """The fastest strategy that fits with headroom; among those within CLOSE of it, the simplest."""
-    fitting = [r for r in rows if r.fits and r.time is not None]
+    fitting = [(r, r.time.total_s) for r in rows if r.fits and r.time is not None]  # (row, step seconds)
     if not fitting:
         return None, ""
-    fastest = min(r.time.total_s for r in fitting)  # type: ignore[union-attr]
-    close = [r for r in fitting if r.time.total_s <= fastest * (1 + CLOSE)]  # type: ignore[union-attr]
+    fastest = min(s for _, s in fitting)
+    close = [r for r, s in fitting if s <= fastest * (1 + CLOSE)]
     best = min(close, key=lambda r: PREFERENCE.index(r.candidate.key))
     assert best.fit_memory is not None and best.time is not None
     why = (f"{best.candidate.label} is the fastest that fits with {1 - best.budget / best.device_memory:.0%} headroom "
@@ -214,7 +214,7 @@ def recommend(rows: list[Row]) -> tuple[Row | None, str]:
     if len(close) > 1:
         others = ", ".join(r.candidate.label for r in close if r is not best)
         why += f"; {others} within {CLOSE:.0%} of it, but with more moving parts"
-    slower = sorted((r for r in fitting if r not in close), key=lambda r: r.time.total_s)  # type: ignore[union-attr]
+    slower = [r for r, _ in sorted(fitting, key=lambda rs: rs[1]) if r not in close]
     if slower:
         why += f"; next: {slower[0].candidate.label} at {slower[0].img_per_s:,.0f} img/s"
     unfit = [r.candidate.label for r in rows if r.status == "too big"]
@@ -227,12 +227,11 @@ def recommend(rows: list[Row]) -> tuple[Row | None, str]:
 
 def nothing_fits(rows: list[Row], target: Target, cfg: Config) -> UserError:
     """The one-line error for a config that fits no strategy: the closest one and its largest part."""
-    sized = [r for r in rows if r.smallest is not None]
+    sized = [(r, r.smallest) for r in rows if r.smallest is not None]
     if not sized:
         reasons = "; ".join(f"{r.candidate.label}: {r.reason}" for r in rows)
         return UserError(f"no strategy can run this config on {target.label} ({reasons})")
-    row = min(sized, key=lambda r: r.smallest[1].total / r.budget)  # type: ignore[index]
-    n, memory = row.smallest  # type: ignore[misc]
+    row, (n, memory) = min(sized, key=lambda rs: rs[1][1].total / rs[0].budget)
     part, size = max(((k, v) for k, v in memory.parts.items() if k != "runtime"), key=lambda kv: kv[1])
     return UserError(
         f"model.name={cfg.model.name} at data.image_size={cfg.data.image_size} fits no strategy on {target.label}: "

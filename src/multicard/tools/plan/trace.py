@@ -189,7 +189,7 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
         check_input_size(bare, cfg.model.name, cfg.data.image_size, num_classes)
         schedule = training_schedule(cfg, NEVER, NEVER, grad_accum=1, log_every=NEVER)
         fake = FakeBatches(batch, cfg.data.image_size, num_classes)
-        trainer, recipe = assemble_trainer(cfg, strategy, model, fake, None, schedule)  # type: ignore[arg-type]
+        trainer, recipe = assemble_trainer(cfg, strategy, model, fake, None, schedule)
         units = choose_units(bare, cfg.fsdp, cfg.model.name)
     optimizer = trainer.optimizer
     names = {id(m): n for n, m in bare.named_modules()}

@@ -263,7 +263,7 @@ def largest_difference(resumed: dict[str, Any], reference: dict[str, Any]) -> tu
 def compare_resumed(name: str, points: list[tuple[str, dict[str, Any], dict[str, Any]]], rtol: float) -> Outcome:
     """`points`: (when, resumed run's state, uninterrupted run's state). Passes when every part
     agrees at every point (bitwise when rtol is 0); else names the parts that differ, where first."""
-    failures = []
+    failures: list[str] = []
     for when, resumed, reference in points:
         differ = part_differences(resumed, reference, rtol)
         if differ and not failures:  # where it first differs, in detail

@@ -31,7 +31,8 @@ import torch
 from multicard.base.config import config_from_dict
 from multicard.base.errors import MulticardError
 from multicard.checkpoint import Checkpointer, edit_resume_state
-from multicard.engine.trainer import Callback, StepEnd, Trainer, evaluate, rng_state
+from multicard.engine.loop import Loop, Stateful
+from multicard.engine.trainer import Callback, StepEnd, evaluate, rng_state
 from multicard.run.assembly import Assembly
 from multicard.run.session import seed_process
 from multicard.runtime.environment import detect_env
@@ -63,7 +64,8 @@ def _global_batch(s: Assembly, epoch: int, step: int, walk: bool) -> list[int]:
     """The samples, over all ranks, of optimizer step `step` of `epoch`: reached by walking the
     epoch from its start (as an uninterrupted run reaches it) or by asking the loader to start
     there (as a resumed run does). Sorted: the order within a global batch depends on the world size."""
-    loader, accum = s.trainer.train_loader, s.batch_split.grad_accum
+    loader: Any = s.trainer.train_loader  # its sampler too, as _inject reaches it: the recipe's loaders have one
+    accum = s.batch_split.grad_accum
     loader.set_epoch(epoch, 0 if walk else step)
     skip = step * accum if walk else 0
     mine = [i for batch in itertools.islice(loader.sampler, skip, skip + accum) for i in batch.tolist()]
@@ -81,9 +83,10 @@ def _cpu(tree: Any) -> Any:
     return tree
 
 
-def _state(trainer: Trainer, next_batch: list[int] | None = None) -> dict[str, Any]:
-    """The run's whole state (model and optimizer gathered on rank 0); every rank calls it."""
-    state = _cpu(trainer.state_dict(whole=True))
+def _state(run: Stateful, next_batch: list[int] | None = None) -> dict[str, Any]:
+    """The run's whole state (model and optimizer gathered on rank 0), of the trainer or the loop it
+    drives; every rank calls it."""
+    state = _cpu(run.state_dict(whole=True))
     return state if next_batch is None else {**state, "next_batch": next_batch}
 
 
@@ -92,17 +95,17 @@ class StopAt(Callback):
 
     def __init__(self, step: int, checkpointer: Checkpointer, next_batch: list[int]) -> None:
         self.step, self.checkpointer, self.next_batch = step, checkpointer, next_batch
-        self.path: Path | None = None
+        self.path: Path | str | None = None
         self.state: dict[str, Any] = {}
 
-    def on_step_end(self, trainer: Trainer, step: StepEnd) -> None:
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
         if step.global_step == self.step:
-            self.path = self.checkpointer.save(trainer)
+            self.path = self.checkpointer.save(loop)
             self.checkpointer.finish_writing()
-            self.state = _state(trainer, self.next_batch)
+            self.state = _state(loop, self.next_batch)
 
 
-def _break_checkpoint(path: Path, faults: list[str], seed: int) -> None:
+def _break_checkpoint(path: Path | str, faults: list[str], seed: int) -> None:
     """Rank 0: drop state from the checkpoint at `path` on purpose (`--break rng`, `data-position`)."""
 
     def drop(resume: dict[str, Any]) -> None:
@@ -153,7 +156,7 @@ def _resume(s: Assembly, spec: dict[str, Any], states: dict[str, Any]) -> None:
     trainer = s.trainer
     if spec["train"] != "job":
         _inject(spec["faults"], trainer.train_loader, s.ctx.rank)  # the job resumes as it was set up
-    s.checkpointer.restore(Path(spec["resume"]), trainer)
+    s.checkpointer.restore(Path(spec["resume"]), trainer.loop)
     pos = trainer.position
     states["resumed"] = _state(trainer, _global_batch(s, pos.epoch, pos.step_in_epoch, walk=False))
     trainer.fit(until=spec["steps"], validate=False)
