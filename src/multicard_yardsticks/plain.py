@@ -46,7 +46,9 @@ def optimizer_for(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def device_batches(cfg: Config, device: torch.device, batch: int, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
+def device_batches(
+    cfg: Config, device: torch.device, batch: int, rank: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (x, y) batches gathered from the embedded dataset's images, resident on the device."""
     n, size = cfg.data.train_size, cfg.data.image_size
     images, labels = make_synthetic(n, size, cfg.seed, cfg.data.num_classes)  # the embedded dataset's images
