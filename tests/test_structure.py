@@ -4,7 +4,8 @@
 - no module imports one of a layer above its own (the order of DESIGN.md's "Layers", in LAYERS);
 - no module imports a `_private` name from another multicard module;
 - every class is at most 200 lines, every function at most 50, and src/multicard holds at most 12
-  modules and packages (the layer folders).
+  modules and packages (the layer folders);
+- every `# type: ignore` of src/multicard names its error code and says why (mypy checks the rest).
 
 An import of `a.b.c` also runs the package `a.b`'s `__init__`: that counts as an import of `a.b`,
 except from a module inside `a.b` itself (Python initializes a package before its modules). A
@@ -14,6 +15,9 @@ module that imports a name its own package's `__init__` re-exports does import t
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,3 +398,31 @@ def test_the_storage_branch_check_sees_each_way_of_asking():
         "class F:\n    round_trips = True\n"
     )
     assert kind_questions(made_up) == {"a", "B.c", "d.e", "<module>"}
+
+
+# `# type: ignore[code]  # why` (or `[code, code]`); the reason is any text after the second #.
+EXPLAINED_IGNORE = re.compile(r"# *type: *ignore\[[a-z-]+(, *[a-z-]+)*\] +# *\S")
+
+
+def unexplained_ignores(source: str) -> list[int]:
+    """Lines of comments that silence mypy without naming the error or saying why."""
+    comments = (t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT)
+    return [t.start[0] for t in comments if re.match(r"# *type: *ignore", t.string)
+            and not EXPLAINED_IGNORE.match(t.string)]  # fmt: skip
+
+
+def test_every_type_ignore_names_its_error_code_and_why():
+    found = [f"{path.relative_to(SRC.parent)}:{line}" for name, path in modules().items()
+             if name.startswith("multicard.") for line in unexplained_ignores(path.read_text(encoding="utf-8"))]
+    assert not found, "type: ignore without [code]  # why:\n" + "\n".join(found)
+
+
+def test_the_ignore_check_tells_an_explained_ignore_from_the_others():
+    made_up = (
+        "a = f()  # type: ignore\n"
+        "b = f()  # type: ignore[arg-type]\n"
+        "c = f()  # type: ignore[arg-type]  # f's stub is wrong\n"
+        "d = f()  # type: ignore[arg-type, union-attr]  # f's stub is wrong  # noqa: E501\n"
+        "e = '# type: ignore'  # a string, not a comment\n"
+    )
+    assert unexplained_ignores(made_up) == [1, 2]
