@@ -145,7 +145,7 @@ def sample_list_fingerprint(source: Source) -> str | None:
     elif isinstance(source, InMemory):
         h.update(repr(tuple(source.images.shape)).encode())
         h.update(source.labels.numpy().tobytes())
-    elif isinstance(source.dataset, ShardSamples):  # an Items, the last kind of Source
+    elif isinstance(source, Items) and isinstance(source.dataset, ShardSamples):
         h.update(source.dataset.sample_list(source.indices.numpy()))
     else:
         return None
