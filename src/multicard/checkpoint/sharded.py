@@ -109,7 +109,8 @@ class Sharded:
         meta = self.read_meta(path)
         path = self._complete(path)
         if template is None:  # the model and, where the run kept them, its weights' EMA and its other models
-            whole = {key: self._whole_tensors(path, key, device="cpu") for key in ("model", "ema", "models")}
+            keys = ("model", "ema", "models")
+            whole: dict[str, Any] = {key: self._whole_tensors(path, key, device="cpu") for key in keys}
             whole["models"] = by_model(whole["models"])
             tensors = {key: value for key, value in whole.items() if value}
         else:

@@ -6,7 +6,7 @@ what differs. The trainer talks to the model and to the other ranks through a St
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,6 +28,9 @@ from multicard.strategy.optim import OptimizerRecipe
 from multicard.strategy.precision import AutocastForward, Precision
 
 StateDict = dict[str, Any]
+# A model's optimizer, or [] for none (a model no optimizer steps: its state alone), as torch's get_state_dict
+# takes them.
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class Strategy:
     # ------------------------------------------------------------ checkpoint state
 
     def state_dicts(
-        self, bare: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False
+        self, bare: nn.Module, optimizer: Optimizers, whole: bool = False
     ) -> tuple[StateDict, StateDict]:
         """(model, optimizer) state keyed by parameter names (no wrapper prefixes), so any
         strategy can load it; `whole`: whole tensors on rank 0 (they are whole already here).
@@ -142,7 +145,7 @@ class Strategy:
         set_model_state_dict(bare, state, options=StateDictOptions(full_state_dict=True))
 
     def load_state_dicts(
-        self, bare: nn.Module, optimizer: torch.optim.Optimizer, model_state: StateDict, optim_state: StateDict
+        self, bare: nn.Module, optimizer: Optimizers, model_state: StateDict, optim_state: StateDict
     ) -> None:
         set_state_dict(bare, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 

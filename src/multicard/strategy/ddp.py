@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from multicard.base.config import DDPConfig
 from multicard.runtime.process_group import ProcessContext
-from multicard.strategy.base import ModelSetup, StateDict
+from multicard.strategy.base import ModelSetup, Optimizers, StateDict
 from multicard.strategy.collectives import DistributedStrategy
 from multicard.strategy.optim import OptimizerRecipe
 from multicard.strategy.precision import PassThrough, Precision
@@ -75,7 +75,7 @@ class DDPStrategy(DistributedStrategy):
         return ZeroRedundancyOptimizer(recipe.groups, optimizer_class=recipe.cls, **recipe.kwargs)
 
     def state_dicts(
-        self, bare: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False
+        self, bare: nn.Module, optimizer: Optimizers, whole: bool = False
     ) -> tuple[StateDict, StateDict]:
         """ZeRO-1: the whole optimizer state, gathered on rank 0 (empty elsewhere: rank 0 writes).
         Not `whole` (ZeRO-1 writes single files, so only as the template a sharded checkpoint of
@@ -91,7 +91,7 @@ class DDPStrategy(DistributedStrategy):
         return get_model_state_dict(bare), optim_state
 
     def load_state_dicts(
-        self, bare: nn.Module, optimizer: torch.optim.Optimizer, model_state: StateDict, optim_state: StateDict
+        self, bare: nn.Module, optimizer: Optimizers, model_state: StateDict, optim_state: StateDict
     ) -> None:
         if not isinstance(optimizer, ZeroRedundancyOptimizer):
             return super().load_state_dicts(bare, optimizer, model_state, optim_state)

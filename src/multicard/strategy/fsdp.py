@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from multicard.base.config import FSDPConfig
 from multicard.base.malloc import release_large_buffers, wants_release
 from multicard.runtime.process_group import ProcessContext
-from multicard.strategy.base import ModelSetup, StateDict
+from multicard.strategy.base import ModelSetup, Optimizers, StateDict
 from multicard.strategy.collectives import DistributedStrategy, broadcast_buffers
 from multicard.strategy.compilation import compile_in_place
 from multicard.strategy.fsdp_units import choose_units
@@ -111,7 +111,7 @@ class FSDPStrategy(DistributedStrategy):
             sharded.set_requires_gradient_sync(True)
 
     def state_dicts(
-        self, bare: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False
+        self, bare: nn.Module, optimizer: Optimizers, whole: bool = False
     ) -> tuple[StateDict, StateDict]:
         """Sharded state (DTensors) for a sharded checkpoint; with `whole`, gathered to CPU on rank 0."""
         if not whole:
@@ -119,7 +119,7 @@ class FSDPStrategy(DistributedStrategy):
         return get_state_dict(bare, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_state_dicts(
-        self, bare: nn.Module, optimizer: torch.optim.Optimizer, model_state: StateDict, optim_state: StateDict
+        self, bare: nn.Module, optimizer: Optimizers, model_state: StateDict, optim_state: StateDict
     ) -> None:
         """Sharded state (a sharded checkpoint, read into this layout) loads as it is; whole tensors
         (a single-file checkpoint) are sharded on the way in."""

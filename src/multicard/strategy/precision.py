@@ -44,7 +44,7 @@ class PassThrough:
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
+            return nn.Module.__getattr__(self, name)  # type: ignore[arg-type]  # mixed into nn.Module wrappers only
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get(self.INNER)
             if inner is None or name.startswith("__"):
