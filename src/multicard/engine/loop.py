@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -48,7 +48,8 @@ OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")  # param-group entries that choose 
 
 
 def rng_state() -> dict[str, Any]:
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    # legacy=True (the default): the MT19937 tuple, not the dict of other bit generators
+    _, keys, pos, has_gauss, gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -293,7 +294,7 @@ class Loop:
         self.trained.append(trained)
         for optimizer in optimizers:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            mine = [p for p in model.parameters() if id(p) in held]
+            mine: list[torch.Tensor] = [p for p in model.parameters() if id(p) in held]
             self.steppers.append(Stepper(optimizer, trained, params=mine if len(optimizers) > 1 else []))
         return trained
 

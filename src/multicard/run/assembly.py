@@ -13,6 +13,7 @@ or a training process's when no launcher of multicard's started it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import ExitStack
 from functools import cached_property
 from pathlib import Path
@@ -161,7 +162,7 @@ class Assembly:
         self.reporter.run_files(self.out_dir / "metrics.jsonl", resumed_at, {self.out_dir / "config.yaml": text})
 
     def announce(
-        self, line: str, loop: Loop, resumed: tuple[Path, int] | None, always: list[str] = (),
+        self, line: str, loop: Loop, resumed: tuple[Path | str, int] | None, always: Sequence[str] = (),
         config: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         """The run's records opened (`open_records`) and its start said (session.announce_start)."""
@@ -185,14 +186,14 @@ class Assembly:
     def __enter__(self) -> Assembly:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         """Undo what was built, then leave the process group, except after an error of this rank
         alone: the group stays open on the way out, so peers see its connections close only once
         it has exited (cli.main exits right after the message) and the launcher reports this
         rank's exit code, not a peer's "connection closed". A graceful stop is every rank's
-        decision: it tears down as usual."""
+        decision: it tears down as usual. No exception is swallowed (nothing the stack holds does)."""
         try:
-            return bool(self.stack.__exit__(kind, exc, tb))
+            self.stack.__exit__(kind, exc, tb)
         finally:
             started = "_process" in self.__dict__
             alone = isinstance(exc, MulticardError) and not isinstance(exc, Stopped)

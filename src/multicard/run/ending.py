@@ -37,7 +37,7 @@ def install() -> None:
             return
         # torch's process group wraps this hook and collects what it writes to prefix it with the
         # rank; the process ends here, so the line goes straight to the real stderr.
-        sys.stderr = sys.__stderr__
+        sys.stderr = sys.__stderr__ or sys.stderr  # (None only in a process started without one)
         for release in reversed(_cleanups):
             release(exc)
         code = report_error(exc)
@@ -45,7 +45,7 @@ def install() -> None:
         sys.stderr.flush()
         os._exit(code if code is not None else 1)
 
-    hook.multicard = True  # type: ignore[attr-defined]
+    hook.multicard = True  # type: ignore[attr-defined]  # a mark on the function: install() knows its own by it
     sys.excepthook = hook
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from numbers import Number
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsFloat, cast
 
 import torch
 import torch.nn as nn
@@ -41,8 +41,8 @@ class Scores(dict):
 def _sum(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, dtype=torch.float64).sum()
-    if isinstance(value, Number) and not isinstance(value, (bool, complex)):
-        return torch.tensor(float(value), dtype=torch.float64, device=device)
+    if isinstance(value, Number) and not isinstance(value, (bool, complex)):  # int, float, Decimal, numpy's…
+        return torch.tensor(float(cast(SupportsFloat, value)), dtype=torch.float64, device=device)
     raise UserError(
         f"metric_fn returned {name}={type(value).__name__}; return a dict of numbers or tensors "
         f"(their elements are summed)"

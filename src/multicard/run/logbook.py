@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from numbers import Number
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsFloat, cast
 
 import torch
 
@@ -103,7 +103,7 @@ class Logbook:
         means = {n: total / calls for n, (total, calls) in self.since_record.items() if calls}
         elapsed = time.perf_counter() - self.record_started
         parts, mine = step_split(self.step_times, strategy)
-        record = {
+        record: dict[str, Any] = {
             "epoch": pos.epoch, "step": pos.global_step, **means, "lr": lr,
             "img_per_s": self.steps_since_record * self.global_batch / elapsed if elapsed > 0 else 0.0,
             **{k: round(v, 3) for k, v in parts.items()}, "step_ms": mine["step_ms"],
@@ -138,6 +138,6 @@ def _scalar(name: str, value: Any, device: torch.device) -> torch.Tensor:
                 f"run.log({name}=...) got a tensor of shape {list(value.shape)}; log one number (e.g. .mean())"
             )
         return value.detach().to(device=device, dtype=torch.float64).reshape(())
-    if isinstance(value, Number) and not isinstance(value, (bool, complex)):
-        return torch.tensor(float(value), dtype=torch.float64, device=device)
+    if isinstance(value, Number) and not isinstance(value, (bool, complex)):  # int, float, Decimal, numpy's…
+        return torch.tensor(float(cast(SupportsFloat, value)), dtype=torch.float64, device=device)
     raise UserError(f"run.log({name}=...) got {type(value).__name__}; log a number or a one-element tensor")

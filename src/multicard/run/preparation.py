@@ -58,7 +58,7 @@ def prepare_model(
     if shards_state and (len(optimizers) > 1 or guard.models):
         raise UserError("ddp.shard_optimizer (ZeRO-1) shards the optimizer of one model; with several models or "
                         "optimizers drop it, or use strategy='fsdp' (it shards every one)")  # fmt: skip
-    before = list(model.parameters())
+    before: list[torch.Tensor] = list(model.parameters())
     wrapped = strategy.prepare(model)
     bare = strategy.unwrap(wrapped)
     current = dict(bare.named_parameters())

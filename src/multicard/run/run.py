@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ class Run:
         strategy: str = "auto", precision: str = "fp32", devices: Any = "auto", compile: bool = False,
         clip_grad_norm: float = 0.0, checkpoint_every: int = 0, keep_last: int = 3, checkpoint_format: str = "auto",
         resume: str = "auto", log_every: int = 50, max_steps: int = 0, best: str | None = None,
-        best_mode: str = "max", options: Mapping[str, Any] | list[str] = (),
+        best_mode: str = "max", options: Mapping[str, Any] | Sequence[str] = (),
     ) -> None:  # fmt: skip
         arguments = {k: v for k, v in locals().items() if k not in ("self", "options", "best", "best_mode")}
         install_error_hook()  # from here on, an uncaught multicard error is one line and its exit code
@@ -93,7 +93,7 @@ class Run:
 
     # ------------------------------------------------------------ setting up
 
-    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer | None) -> Any:
         """Place, convert, compile and wrap `model` with the run's strategy; return it, and the
         optimizers that step it (the same objects, except under ZeRO-1): `model` alone, `(model,
         optimizer)`, `(model, opt_a, opt_b)`. Once per model; a model without optimizer (a frozen

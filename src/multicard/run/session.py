@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -123,8 +124,8 @@ def start_line(strategy: Strategy, precision: str, split: BatchSplit, what: str)
 
 
 def announce_start(
-    reporter: Reporter, line: str, loop: Loop, resumed: tuple[Path, int] | None, notes: list[str],
-    always: list[str] = (),
+    reporter: Reporter, line: str, loop: Loop, resumed: tuple[Path | str, int] | None, notes: list[str],
+    always: Sequence[str] = (),
 ) -> None:  # fmt: skip
     """What every training run says as it starts (its records are opened first: Assembly.announce):
     its start line, the notes said fresh or resumed (`always`), where it resumed (`resumed` =

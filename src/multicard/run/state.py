@@ -19,7 +19,7 @@ Rank 0's values are saved: keep them the same on every rank (derive them from re
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -132,7 +132,7 @@ class UserState(MutableMapping):
     def __delitem__(self, key: str) -> None:
         del self._values[key]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
     def __len__(self) -> int:
