@@ -58,7 +58,7 @@ EPILOG = "multicard COMMAND --help describes a command and its options."
 
 
 class _Parser(argparse.ArgumentParser):
-    commands: dict[str, argparse.ArgumentParser]  # the top-level parser's subcommands, by name
+    commands: dict[str, _Parser]  # the top-level parser's subcommands, by name
 
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         print(f"multicard: error: {message} (see {self.prog} --help)", file=sys.stderr)

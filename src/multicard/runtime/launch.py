@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -253,7 +254,7 @@ class StopRelay:
         self.timed_out = False
         self.ended: dict[int, tuple[int, int, bool]] = {}  # pid → (rank, exit code, killed by a signal), in order
         self._ranks: dict[int, int] = {}
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL or SIG_IGN
 
     def __enter__(self) -> StopRelay:
         if threading.current_thread() is threading.main_thread():  # only it may handle signals
