@@ -150,7 +150,8 @@ def finish(code: int) -> NoReturn:
     quickstart_run.py under ddp×2; the rendezvous store's thread does the same, pytorch#128821).
     Interpreter shutdown would also walk every object torch's modules made (~0.7 s per process)."""
     end_in_time(code)
-    threading._shutdown()  # what the interpreter's exit does first: threading's exit calls, then the joins
+    # what the interpreter's exit does first: threading's exit calls, then the joins
+    threading._shutdown()  # type: ignore[attr-defined]  # private, no public twin; typeshed leaves it out
     atexit._run_exitfuncs()
     end_process(code)
 

@@ -57,7 +57,7 @@ def _set_path_entry(folder: str | None) -> None:
     """sys.path[0], which python set to the entry's folder (the console script's, or the working
     directory under `python -m`), becomes the script's `folder`; None: removed. Under `python -P`
     (PYTHONSAFEPATH) python puts none there, for a script neither."""
-    if sys.flags.safe_path:
+    if sys.version_info >= (3, 11) and sys.flags.safe_path:  # -P came with 3.11 (3.10 has no such flag)
         return
     if folder is None:
         del sys.path[0]
