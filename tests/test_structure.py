@@ -400,8 +400,8 @@ def test_the_storage_branch_check_sees_each_way_of_asking():
     assert kind_questions(made_up) == {"a", "B.c", "d.e", "<module>"}
 
 
-# `# type: ignore[code]  # why` (or `[code, code]`); the reason is any text after the second #.
-EXPLAINED_IGNORE = re.compile(r"# *type: *ignore\[[a-z-]+(, *[a-z-]+)*\] +# *\S")
+# `# type: ignore[code]  # why` (or `[code, code]`); the reason is the text after the second # (not a noqa).
+EXPLAINED_IGNORE = re.compile(r"# *type: *ignore\[[a-z-]+(, *[a-z-]+)*\] +# *(?!noqa)\S")
 
 
 def unexplained_ignores(source: str) -> list[int]:
@@ -424,5 +424,6 @@ def test_the_ignore_check_tells_an_explained_ignore_from_the_others():
         "c = f()  # type: ignore[arg-type]  # f's stub is wrong\n"
         "d = f()  # type: ignore[arg-type, union-attr]  # f's stub is wrong  # noqa: E501\n"
         "e = '# type: ignore'  # a string, not a comment\n"
+        "g = f()  # type: ignore[arg-type]  # noqa: E501\n"
     )
-    assert unexplained_ignores(made_up) == [1, 2]
+    assert unexplained_ignores(made_up) == [1, 2, 6]
