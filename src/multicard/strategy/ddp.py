@@ -62,7 +62,8 @@ class DDPStrategy(DistributedStrategy):
         return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
-        return cast(nn.parallel.DistributedDataParallel, model).no_sync()  # the module wrap() returned
+        # wrap()'s DDP: a model left unwrapped (nothing to train) has no gradients to hold back
+        return cast(nn.parallel.DistributedDataParallel, model).no_sync()
 
     # ------------------------------------------------------------ ZeRO-1
 
