@@ -16,6 +16,7 @@ class ExitCode(IntEnum):
     VERIFY_FAILED = 4  # `multicard verify` found a difference
     STALLED = 5  # no rank progressed for debug.stall_s (debug.on_stall=abort), or a collective timed out
     PEER_LOST = 6  # this rank lost its connection to another, which failed or was killed
+    NODES_LOST = 7  # an elastic job lost nodes and could not re-form (below MIN, or its rendezvous host gone)
     SIGHUP = 128 + signal.SIGHUP  # 129: the terminal or SSH session went away
     SIGINT = 128 + signal.SIGINT  # 130: Ctrl-C
     SIGQUIT = 128 + signal.SIGQUIT  # 131: quit at once, stacks dumped, no checkpoint
@@ -58,6 +59,13 @@ class UserError(MulticardError):
     """Bad input (config, command line, paths, devices): the message says what to change."""
 
     exit_code = ExitCode.BAD_INPUT
+
+
+class NodesLost(MulticardError):
+    """The job lost nodes and could not go on: fewer than its fewest nodes came back within the
+    rendezvous timeout, or the node hosting the rendezvous was lost. Its checkpoints stay."""
+
+    exit_code = ExitCode.NODES_LOST
 
 
 class TrainingDiverged(MulticardError):

@@ -34,18 +34,18 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from multicard.base.config import load_config, parse_devices
+from multicard.base.config import Config, check_world_sizes, load_config, parse_devices
 from multicard.base.errors import ExitCode, MulticardError, UserError
 from multicard.base.locations import canonical, check_location
 from multicard.base.version import __version__
 from multicard.run.preflight import check_output_folder, preflight
-from multicard.runtime.environment import ProcessEnv, detect_env, node_topology
+from multicard.runtime.environment import ProcessEnv, detect_env, node_range, node_topology
 from multicard.runtime.exits import die_with_launcher, report_error, run_to_the_end
-from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers
+from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers, rendezvous_conf
 from multicard.runtime.process_group import resolve_gpus
 from multicard.runtime.script import run_script
 from multicard.runtime.stopping import BeforeTraining
-from multicard.strategy.topology import resolve
+from multicard.strategy.topology import Topology, resolve
 from multicard.tools.plan.arguments import add_plan_parser, plan_options
 from multicard.tools.verify.checks import CHECKS, FAULTS
 
@@ -68,11 +68,24 @@ class _Parser(argparse.ArgumentParser):
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (DDP workers through torchrun's elastic agent)")
     g.add_argument("--nproc-per-node", type=int, help="worker processes on this node (one per GPU)")
-    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    g.add_argument("--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1")
+    g.add_argument(
+        "--nnodes", default="1",
+        help="number of nodes N, or MIN:MAX for an elastic job that goes on as nodes leave and join (default 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--node-rank", type=int, default=0, help="rank of this node, 0..nnodes-1 (node 0 hosts the rendezvous)"
+    )
     g.add_argument("--master-addr", help="rendezvous host (node 0's address that the others reach); multi-node only")
     g.add_argument("--master-port", type=int, help="rendezvous port; a free one is chosen on one node")
-    g.add_argument("--max-restarts", type=int, default=0, help="restarts of failed workers (default 0)")
+    g.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="restarts of the workers after a failure or a lost node, each from the newest checkpoint (default 0)",
+    )  # fmt: skip
+    g.add_argument(
+        "--rdzv-conf", default="",
+        help="torchrun's rendezvous settings KEY=VALUE,...: last_call_timeout, keep_alive_interval, "
+        "keep_alive_max_attempt, close_timeout, heartbeat",
+    )  # fmt: skip
     g.add_argument(
         "--oversubscribe", action="store_true", help="on CPU, allow more processes than cores or than memory allows"
     )
@@ -259,15 +272,18 @@ def _launch_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions 
         return _cloud_options(args, env)
     if env.launched:
         raise UserError(f"--nproc-per-node starts workers, but this process is already one ({env.source}); drop it")
+    fewest, most = node_range(args.nnodes, "--nnodes")
     return LaunchOptions(
         nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
+        nnodes=most,
+        min_nodes=fewest,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
         max_restarts=args.max_restarts,
         rdzv_timeout=args.rdzv_timeout,
         oversubscribe=args.oversubscribe,
+        rdzv_conf=rendezvous_conf(args.rdzv_conf),
     )
 
 
@@ -280,12 +296,14 @@ def _cloud_options(args: argparse.Namespace, env: ProcessEnv) -> LaunchOptions |
     return LaunchOptions(
         nproc_per_node=node.nproc_per_node or max(1, len(resolve_gpus([]))),
         nnodes=node.nnodes,
+        min_nodes=node.min_nodes,
         node_rank=node.node_rank,
         master_addr=node.master_addr if node.nnodes > 1 else None,
         master_port=node.master_port if node.nnodes > 1 else None,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts if node.max_restarts is None else node.max_restarts,
         rdzv_timeout=args.rdzv_timeout,
         oversubscribe=args.oversubscribe,
+        rdzv_conf=rendezvous_conf(",".join((node.rdzv_conf, args.rdzv_conf))),
     )
 
 
@@ -301,7 +319,7 @@ def _train(args: argparse.Namespace) -> int:
 
         commands.train(cfg, env)
         return ExitCode.OK
-    topology = resolve(cfg, options.world_size, options.nproc_per_node, launched=True)  # bad input costs no start-up
+    topology = _resolve_every_size(cfg, options)  # bad input costs no start-up
     if not topology.gpus:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
@@ -310,6 +328,22 @@ def _train(args: argparse.Namespace) -> int:
         if code == ExitCode.BAD_INPUT:
             lock.refused()  # leaves out_dir as it found it (what a run wrote before failing stays)
         return code
+
+
+def _resolve_every_size(cfg: Config, options: LaunchOptions) -> Topology:
+    """The run's topology at its most nodes, once the config holds at every world size it may run at
+    (an elastic job's MIN:MAX: the global batch splits over each, and each size's other rules)."""
+    sizes = options.world_sizes
+    if cfg.train.resume == "never" and options.restartable:
+        raise UserError(
+            "train.resume=never would start the job afresh at each restart (--max-restarts, --nnodes MIN:MAX); "
+            "use train.resume=auto (the default) with a new or emptied out_dir"
+        )
+    if len(sizes) > 1:
+        check_world_sizes(cfg.train.global_batch_size, cfg.train.grad_accum, sizes, options.nodes_text)
+    for size in sizes[:-1]:
+        resolve(cfg, size, options.nproc_per_node, launched=True)
+    return resolve(cfg, sizes[-1], options.nproc_per_node, launched=True)
 
 
 def _eval(args: argparse.Namespace) -> int:

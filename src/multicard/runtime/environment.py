@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from multicard.base.errors import UserError
 
@@ -34,6 +36,9 @@ class ProcessEnv:
     launcher_pid: int | None = None  # multicard's own launcher started this worker
     stop_timeout_s: float = 300.0  # how long that launcher gives this worker to stop (checkpoint.stop_timeout_s)
     restart: int = 0  # how many times torchrun's agent has restarted the workers (--max-restarts)
+    # The agent hosts the workers' store and keeps it over restarts (torch's default); False: rank 0
+    # hosts a fresh one at each start (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as elastic runs need).
+    agent_store: bool = False
 
     @property
     def launched(self) -> bool:
@@ -43,6 +48,36 @@ class ProcessEnv:
     def is_main(self) -> bool:
         """Rank 0, which says what every rank met (as ProcessContext.is_main, before there is one)."""
         return self.rank == 0
+
+
+def node_range(text: str, name: str) -> tuple[int, int]:
+    """(fewest, most) nodes from torchrun's --nnodes syntax: N (a fixed size) or MIN:MAX (elastic)."""
+    low, sep, high = text.strip().partition(":")
+    try:
+        fewest, most = int(low), int(high if sep else low)
+    except ValueError:
+        raise UserError(f"{name} {text!r} must be a number of nodes N or a range MIN:MAX such as 1:4") from None
+    if not 1 <= fewest <= most:
+        raise UserError(f"{name} {text!r}: need 1 <= MIN <= MAX nodes, e.g. 1:4")
+    return fewest, most
+
+
+def agent_folder(agent_pid: int) -> Path | None:
+    """A folder on this node's local disk that belongs to one elastic agent (multicard's launcher, or
+    torchrun) for its whole life: its workers, restarted ones included, find there what the previous
+    ones left (membership.py). Named by the agent's pid and start time: unique on this node, and the
+    same for the agent itself and for every worker it starts (their parent). None off Linux."""
+    try:
+        started = Path(f"/proc/{agent_pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return Path(tempfile.gettempdir()) / f"multicard-agent-{agent_pid}-{started}"
+
+
+def parent_agent_folder(env: ProcessEnv) -> Path | None:
+    """agent_folder of the agent that started this worker (its parent), or None without one (one
+    process, srun)."""
+    return agent_folder(os.getppid()) if env.source == "torchrun" else None
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -105,6 +140,7 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
             launcher_pid=_int(environ, LAUNCHER_PID) if LAUNCHER_PID in environ else None,
             stop_timeout_s=float(environ.get(LAUNCHER_STOP_S, ProcessEnv.stop_timeout_s)),
             restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             rank=_int(environ, "RANK"),
             local_rank=_int(environ, "LOCAL_RANK", default=0),
             world_size=_int(environ, "WORLD_SIZE"),
@@ -136,28 +172,28 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
 class NodeTopology:
     """How a cloud launcher that starts one command per node describes the job, for multicard's own
     launcher to start this node's workers: a Kubeflow TrainJob/PyTorchJob (PET_*, the variables
-    torchrun reads for its flags) or a SkyPilot task (SKYPILOT_*)."""
+    torchrun reads for its flags; an elastic PyTorchJob names a rendezvous endpoint and MIN:MAX
+    nodes instead of node 0 and a node rank) or a SkyPilot task (SKYPILOT_*)."""
 
     source: str  # kubeflow | skypilot
     nproc_per_node: int | None  # None: one per GPU in use (one on CPU)
-    nnodes: int
-    node_rank: int
+    nnodes: int  # the most nodes
+    node_rank: int | None  # None: not said (torch's agent finds out whether this node hosts the rendezvous)
     master_addr: str
     master_port: int
+    min_nodes: int | None = None  # an elastic job's fewest nodes; None: nnodes, a fixed size
+    max_restarts: int | None = None  # PET_MAX_RESTARTS; None: the command line's
+    rdzv_conf: str = ""  # PET_RDZV_CONF (torchrun's --rdzv-conf), e.g. last_call_timeout=5
 
 
 SKYPILOT_PORT = 29400  # a SkyPilot task names its nodes' addresses, not a port: the rendezvous takes this one
+C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
 
 
 def node_topology(environ: Mapping[str, str] = os.environ) -> NodeTopology | None:
     """The topology a cloud launcher gave this node's one command in its environment, or None."""
-    if "PET_NNODES" in environ and "PET_MASTER_ADDR" in environ:
-        per_node = environ.get("PET_NPROC_PER_NODE", "auto")
-        return NodeTopology(
-            "kubeflow", _int(environ, "PET_NPROC_PER_NODE") if per_node.isdigit() else None,
-            _int(environ, "PET_NNODES"), _int(environ, "PET_NODE_RANK", default=0), environ["PET_MASTER_ADDR"],
-            _int(environ, "PET_MASTER_PORT", default=29500),
-        )  # fmt: skip
+    if "PET_NNODES" in environ and ("PET_MASTER_ADDR" in environ or "PET_RDZV_ENDPOINT" in environ):
+        return _kubeflow(environ)
     if "SKYPILOT_NODE_IPS" in environ and "SKYPILOT_NODE_RANK" in environ:
         gpus = _int(environ, "SKYPILOT_NUM_GPUS_PER_NODE", default=0)
         return NodeTopology(
@@ -165,3 +201,22 @@ def node_topology(environ: Mapping[str, str] = os.environ) -> NodeTopology | Non
             _int(environ, "SKYPILOT_NODE_RANK"), environ["SKYPILOT_NODE_IPS"].split()[0], SKYPILOT_PORT,
         )  # fmt: skip
     return None
+
+
+def _kubeflow(environ: Mapping[str, str]) -> NodeTopology:
+    """A TrainJob's node (PET_MASTER_ADDR, PET_NODE_RANK) or an elastic PyTorchJob's (PET_RDZV_ENDPOINT:
+    any node may host the rendezvous, torch's agent finds out which)."""
+    fewest, most = node_range(environ["PET_NNODES"], "PET_NNODES")
+    node_rank: int | None = _int(environ, "PET_NODE_RANK", default=0)
+    if "PET_MASTER_ADDR" in environ:
+        addr, port = environ["PET_MASTER_ADDR"], _int(environ, "PET_MASTER_PORT", default=29500)
+    else:
+        addr, _, port_text = environ["PET_RDZV_ENDPOINT"].partition(":")
+        port = int(port_text) if port_text.isdigit() else C10D_PORT
+        node_rank = node_rank if "PET_NODE_RANK" in environ else None
+    per_node = environ.get("PET_NPROC_PER_NODE", "auto")
+    return NodeTopology(
+        "kubeflow", _int(environ, "PET_NPROC_PER_NODE") if per_node.isdigit() else None, most, node_rank, addr, port,
+        fewest if fewest < most else None,
+        _int(environ, "PET_MAX_RESTARTS") if "PET_MAX_RESTARTS" in environ else None, environ.get("PET_RDZV_CONF", ""),
+    )  # fmt: skip

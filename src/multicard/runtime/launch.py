@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,10 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from multicard.base.config import CheckpointConfig
-from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, UserError
+from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, MulticardError, NodesLost, UserError
 from multicard.base.host_memory import available_memory
-from multicard.runtime.environment import LAUNCHER_PID, LAUNCHER_STOP_S
-from multicard.runtime.process_group import cpu_cores, wait_for_master
+from multicard.runtime.environment import LAUNCHER_PID, LAUNCHER_STOP_S, agent_folder
+from multicard.runtime.process_group import cpu_cores, route_addr, wait_for_master
 from multicard.runtime.stopping import STOP_SIGNALS, hand_over, quit_line
 
 # The launcher passes these on to the workers (StopRelay): they checkpoint and exit 128 + signal,
@@ -41,23 +41,43 @@ SIGNALS_TO_FORWARD = (*STOP_SIGNALS, signal.SIGQUIT)
 KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for a worker stuck in the kernel before giving up on it
 
 
+# torch's c10d rendezvous settings --rdzv-conf may give (torchrun's flag of that name); the join and
+# read timeouts are --rdzv-timeout, and whether a node hosts the store is --node-rank's.
+RDZV_CONF_KEYS = ("last_call_timeout", "close_timeout", "heartbeat", "keep_alive_interval", "keep_alive_max_attempt")
+
+
+def rendezvous_conf(text: str) -> dict[str, int]:
+    """torchrun's --rdzv-conf KEY=VALUE,... (those of RDZV_CONF_KEYS, whole seconds or counts >= 1)."""
+    conf = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in RDZV_CONF_KEYS:
+            raise UserError(f"--rdzv-conf {item!r}: it takes {', '.join(RDZV_CONF_KEYS)}, as KEY=VALUE")
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"--rdzv-conf {item!r}: {key} takes a whole number >= 1")
+        conf[key] = int(value)
+    return conf
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     nproc_per_node: int
-    nnodes: int = 1
-    node_rank: int = 0
+    nnodes: int = 1  # the most nodes (--nnodes N, or MAX of MIN:MAX)
+    node_rank: int | None = 0  # 0 hosts the rendezvous; None: torch's agent decides (an elastic PyTorchJob)
     master_addr: str | None = None
     master_port: int | None = None
     max_restarts: int = 0
-    rdzv_timeout: int = 300  # seconds a node waits to reach node 0 and for all nodes to join
+    rdzv_timeout: int = 300  # seconds a node waits to reach node 0 and for enough nodes to join
     oversubscribe: bool = False  # on CPU, allow more processes than cores or than memory allows
+    min_nodes: int | None = None  # an elastic job's fewest nodes (--nnodes MIN:MAX); None: nnodes
+    rdzv_conf: dict[str, int] = field(default_factory=dict)  # rendezvous_conf's settings
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise UserError(f"--nproc-per-node {self.nproc_per_node} must be at least 1")
-        if self.nnodes < 1:
-            raise UserError(f"--nnodes {self.nnodes} must be at least 1")
-        if not 0 <= self.node_rank < self.nnodes:
+        if not 1 <= self.fewest <= self.nnodes:
+            raise UserError(f"--nnodes {self.nodes_text} needs 1 <= MIN <= MAX nodes")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
             raise UserError("--nnodes > 1 needs --master-addr and --master-port (the rendezvous host of node 0)")
@@ -65,10 +85,31 @@ class LaunchOptions:
             raise UserError(f"--master-port {self.master_port} must be in 1..65535")
         if self.rdzv_timeout < 1:
             raise UserError(f"--rdzv-timeout {self.rdzv_timeout} must be at least 1 second")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts {self.max_restarts} must be at least 0")
+
+    @property
+    def fewest(self) -> int:
+        return self.nnodes if self.min_nodes is None else self.min_nodes
+
+    @property
+    def nodes_text(self) -> str:
+        return str(self.nnodes) if self.fewest == self.nnodes else f"{self.fewest}:{self.nnodes}"
 
     @property
     def world_size(self) -> int:
+        """Processes at the most nodes."""
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Every world size the job may run at: one, or one per node count of MIN:MAX."""
+        return [self.nproc_per_node * nodes for nodes in range(self.fewest, self.nnodes + 1)]
+
+    @property
+    def restartable(self) -> bool:
+        """The agent may start this node's workers again: after a failure, or as nodes come and go."""
+        return self.max_restarts > 0 or self.fewest < self.nnodes
 
 
 WORKER_MEMORY = 1 << 29  # bytes a CPU worker needs at the least: torch itself, before any data (~0.5 GiB)
@@ -113,21 +154,6 @@ def check_port_free(port: int) -> None:
             ) from None
 
 
-def route_addr(host: str, port: int) -> str | None:
-    """This node's address on the route to `host`: where the other nodes can reach it.
-
-    None (torch then uses the host name) when that route is loopback, i.e. `host` names this
-    machine through 127.x, which other nodes could not use.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))  # UDP: picks the route and source address, sends nothing
-            addr = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if addr.startswith("127.") else addr
-
-
 def _rendezvous(options: LaunchOptions, addr: str, port: int) -> dict:
     """LaunchConfig fields for c10d rendezvous: on a private port (one node, as torchrun
     --standalone) or hosted by node 0's agent at --master-addr:--master-port."""
@@ -144,9 +170,10 @@ def _rendezvous(options: LaunchOptions, addr: str, port: int) -> dict:
         # Node 0 hosts the store, said outright: torch's guess (the endpoint matching the host
         # name's addresses) fails on machines with several interfaces.
         "rdzv_configs": {
-            "is_host": options.node_rank == 0,
+            **({"is_host": options.node_rank == 0} if options.node_rank is not None else {}),
             "join_timeout": options.rdzv_timeout,
             "read_timeout": options.rdzv_timeout,
+            **options.rdzv_conf,
         },
         # Rank 0's agent hands its workers a store at this address; the other nodes must reach it.
         "local_addr": route_addr(addr, port),
@@ -372,14 +399,20 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
     port = options.master_port or free_port()
     if options.master_port is not None and options.node_rank == 0:
         check_port_free(port)
-    if options.nnodes > 1 and options.node_rank != 0:
+    if options.nnodes > 1 and options.node_rank not in (0, None):  # None: this node may host it itself
         hint = "start node 0 with the same --master-addr/--master-port, open that port, or raise --rdzv-timeout"
         wait_for_master(addr, port, options.rdzv_timeout, hint)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: they die with this process
+    if options.restartable:
+        # A store of its own for each start of the workers, hosted by their rank 0, instead of the agent's
+        # shared one: with that, a node joining a running job waits forever in torch's agent (it reads
+        # the store's address from a rendezvous round that no longer publishes it), and workers of one
+        # start disagree on the restart count that keys it (a joined node counts from 0).
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _quiet_torch_agent()
     logs = tempfile.mkdtemp(prefix="multicard-launch-")  # else torch's agent leaves a directory in /tmp per run
     config = LaunchConfig(
-        min_nodes=options.nnodes,
+        min_nodes=options.fewest,
         max_nodes=options.nnodes,
         nproc_per_node=options.nproc_per_node,
         max_restarts=options.max_restarts,
@@ -390,21 +423,12 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)(*program)
-    except RendezvousTimeoutError:
-        raise UserError(
-            f"not all {options.nnodes} nodes joined the rendezvous at {addr}:{port} within "
-            f"{options.rdzv_timeout} s; start every node with the same --nnodes/--master-addr/--master-port "
-            f"or raise --rdzv-timeout"
-        ) from None
-    except RendezvousConnectionError:
+    except RendezvousConnectionError as exc:
         if options.master_port is None and options.nnodes == 1 and port_tries > 1:
             return _launch(options, program, port_tries - 1)  # its free port was taken meanwhile
-        raise UserError(
-            f"rendezvous at {addr}:{port} failed: this node cannot host its store there (the port is taken, or the "
-            f"address is not this machine's); choose another --master-port or --master-addr"
-        ) from None
+        raise _rendezvous_failed(exc, options, f"{addr}:{port}") from None
     except RendezvousError as exc:
-        raise UserError(f"rendezvous at {addr}:{port} failed ({exc}); see docs/multinode.md") from None
+        raise _rendezvous_failed(exc, options, f"{addr}:{port}") from None
     except ChildFailedError as exc:
         rank, code = _cause(_failures(exc))
         line = _describe(rank, code)
@@ -413,4 +437,40 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
         return code
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+        _remove_agent_folder()
     return ExitCode.OK
+
+
+def _rendezvous_failed(exc: RendezvousError, options: LaunchOptions, endpoint: str) -> MulticardError:
+    """The one line for a rendezvous that failed: before the job started (bad input: UserError), or
+    when the job re-formed after losing nodes (NodesLost: its checkpoints stay, the same command resumes)."""
+    trained = (folder := agent_folder(os.getpid())) is not None and folder.exists()  # membership.py made it
+    resume = "its last checkpoint is intact: start the lost node(s), then the same command on every node resumes"
+    if isinstance(exc, RendezvousTimeoutError) and trained:
+        return NodesLost(
+            f"the job lost node(s) and fewer than {options.fewest} (--nnodes {options.nodes_text}) were back "
+            f"at the rendezvous {endpoint} within --rdzv-timeout {options.rdzv_timeout} s; {resume}"
+        )
+    if isinstance(exc, RendezvousConnectionError) and trained:
+        return NodesLost(
+            f"lost the rendezvous at {endpoint}: node 0, which hosts it, is gone, and the other nodes cannot "
+            f"re-form without it; {resume} (node 0 first)"
+        )
+    if isinstance(exc, RendezvousTimeoutError):
+        return UserError(
+            f"not all {options.fewest} nodes joined the rendezvous at {endpoint} within {options.rdzv_timeout} s; "
+            f"start every node with the same --nnodes/--master-addr/--master-port or raise --rdzv-timeout"
+        )
+    if isinstance(exc, RendezvousConnectionError):
+        return UserError(
+            f"rendezvous at {endpoint} failed: this node cannot host its store there (the port is taken, or the "
+            f"address is not this machine's); choose another --master-port or --master-addr"
+        )
+    return UserError(f"rendezvous at {endpoint} failed ({exc}); see docs/multinode.md")
+
+
+def _remove_agent_folder() -> None:
+    """What this launcher's workers kept on the node's disk for their restarts (environment.agent_folder)."""
+    folder = agent_folder(os.getpid())
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

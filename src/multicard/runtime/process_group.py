@@ -137,6 +137,28 @@ def wait_for_master(addr: str, port: int, timeout_s: float, hint: str) -> None:
         time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
 
+def route_addr(host: str, port: int) -> str | None:
+    """This node's address on the route to `host`: where the other nodes can reach it.
+
+    None (torch then uses the host name) when that route is loopback, i.e. `host` names this
+    machine through 127.x, which other nodes could not use.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: picks the route and source address, sends nothing
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
+
+
+def node_name(env: ProcessEnv) -> str:
+    """How this node is named to the others: its host name, with its address on the route to the
+    job's master where there is one (host names alone may repeat: containers, namespaces)."""
+    addr = route_addr(env.master_addr, env.master_port) if env.launched else None
+    return f"{socket.gethostname()}/{addr}" if addr else socket.gethostname()
+
+
 def use_device(gpus: list[int], env: ProcessEnv, distributed: bool, threads: int) -> torch.device:
     """This process's device and CPU threads (and, training on the CPU, its allocator's habits)."""
     if gpus:
@@ -192,9 +214,11 @@ def join_group(env: ProcessEnv, device: torch.device, timeout_s: int) -> Any:
     # it; srun has no agent, so rank 0 hosts one at the master address.
     url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
-    # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted rank
-    # from reading a dead peer's address left by the previous attempt.
-    store = dist.PrefixStore(f"multicard/attempt-{env.restart}", store)
+    if env.agent_store:
+        # The agent's store outlives restarted workers: a prefix per attempt keeps a restarted rank
+        # from reading a dead peer's address left by the previous attempt. (Elastic runs need a fresh
+        # store per start instead: the count differs between nodes once one has joined; launch.py.)
+        store = dist.PrefixStore(f"multicard/attempt-{env.restart}", store)
     cuda = device.type == "cuda"
     dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if cuda else None)  # fmt: skip

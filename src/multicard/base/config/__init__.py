@@ -46,6 +46,7 @@ from multicard.base.config.training import (
     OptimConfig,
     SchedConfig,
     TrainConfig,
+    check_world_sizes,
     micro_batch,
 )
 
@@ -55,7 +56,7 @@ __all__ = [
     "OPTIMIZERS", "POLICIES", "PRECISIONS", "READS_ROOT", "REPLICATE", "SCHEDULES", "SMALL_IMAGE_MAX", "STRATEGIES",
     "CheckpointConfig", "Config", "DDPConfig", "DataConfig", "DebugConfig", "EMAConfig", "FSDPConfig", "LogConfig",
     "MixConfig", "ModelConfig", "NetConfig", "OptimConfig", "SchedConfig", "TrainConfig", "check_decode",
-    "check_local_path", "config_from_dict", "load_config", "micro_batch", "parse_devices", "stall_seconds",
-    "to_dict", "to_yaml",
+    "check_local_path", "check_world_sizes", "config_from_dict", "load_config", "micro_batch", "parse_devices",
+    "stall_seconds", "to_dict", "to_yaml",
     "with_overrides",
 ]  # fmt: skip

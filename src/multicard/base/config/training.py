@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,20 @@ class TrainConfig:
     def micro_batch(self, world_size: int) -> int:
         """Samples one process handles in one micro-step, or why the global batch does not split."""
         return micro_batch(self.global_batch_size, self.grad_accum, world_size)
+
+
+def check_world_sizes(global_batch: int, grad_accum: int, world_sizes: list[int], nodes: str) -> None:
+    """An elastic job (--nnodes MIN:MAX) keeps its global batch at every size it may run at: each
+    must split it, or the job is refused before it starts, in one line naming a batch that fits all."""
+    if all(global_batch % (size * grad_accum) == 0 for size in world_sizes):
+        return
+    per_step = math.lcm(*(size * grad_accum for size in world_sizes))
+    lo = (global_batch // per_step) * per_step or per_step
+    raise UserError(
+        f"train.global_batch_size={global_batch} does not split over every world size --nnodes {nodes} allows "
+        f"({', '.join(map(str, world_sizes))} processes) × train.grad_accum={grad_accum}; "
+        f"use a multiple of {per_step} such as {lo} or {lo + per_step}"
+    )
 
 
 def micro_batch(global_batch: int, grad_accum: int, world_size: int) -> int:
