@@ -31,6 +31,7 @@ from multicard.data.augmentation.mixing import mixing
 from multicard.data.loading.sampling import BatchSplit
 from multicard.engine.loop import Callback, Loop
 from multicard.engine.trainer import Trainer
+from multicard.observe.membership import Membership
 from multicard.observe.telemetry import Reporter, TensorBoardLog, TrainingLog
 from multicard.observe.tracking import TrackerLog
 from multicard.observe.watchdog import Watchdog
@@ -175,6 +176,8 @@ class Assembly:
         device, workers or user (a user's loop; default: the data's)."""
         cfg, is_main = self.cfg, self.ctx.is_main
         logs: list[Callback] = [TrainingLog(self.reporter, cfg.data, loader or self.data.loader)]
+        if self.env.source == "torchrun":  # an agent's workers: it may start them again as nodes come and go
+            logs.insert(0, Membership(self.ctx, self.env, self.reporter, self.out_dir / "metrics.jsonl"))
         if cfg.log.tensorboard:
             logs.append(TensorBoardLog(self.out_dir / "tensorboard", is_main, resumed_at))
         if cfg.log.mlflow or cfg.log.wandb:
