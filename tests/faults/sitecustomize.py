@@ -9,7 +9,10 @@ itself has no hook for this: the fault is patched in here.
 - skip: the rank skips the metrics all-reduce the others enter, and then blocks elsewhere;
 - slow-data: the rank's data loader takes MULTICARD_FAULT_MS longer per batch (a straggler);
 - slow-steps: every optimizer step of the rank takes MULTICARD_FAULT_MS longer, whatever the loader
-  (a short job that lasts long enough for a test to act while it runs, at little CPU);
+  (a short job that lasts long enough for a test to act while it runs, at little CPU); with
+  MULTICARD_FAULT_ALONE_STEPS=K, a process of a job at world size 1 (an elastic job that lost its other
+  nodes) takes K steps, then waits before each next one until it gets a stop signal (a node joins:
+  its agent stops the workers to re-form), so the job cannot end before a returning node joins it;
 - slow-stop: as slow-steps, and the checkpoint of a stop on a signal waits MULTICARD_FAULT_STOP_S
   first, asleep (a stop that needs longer than a launcher might give it);
 - slow-start: the process sleeps MULTICARD_FAULT_MS before anything else, with signals at their
@@ -60,8 +63,15 @@ def _install() -> None:
         original_step = Loop.optimizer_step
         pause = float(os.environ.get("MULTICARD_FAULT_MS", "0")) / 1000
 
+        alone = os.environ.get("WORLD_SIZE") == "1" and "MULTICARD_FAULT_ALONE_STEPS" in os.environ
+        taken = [0]
+
         def step(self, *args, **kwargs):
             time.sleep(pause)
+            taken[0] += 1
+            if alone and taken[0] > int(os.environ["MULTICARD_FAULT_ALONE_STEPS"]):
+                while not self.stop.signum:  # a condition, polled: the agent's stop when a node joins
+                    time.sleep(0.02)
             return original_step(self, *args, **kwargs)
 
         Loop.optimizer_step = step
