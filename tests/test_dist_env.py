@@ -173,6 +173,29 @@ def test_cloud_launchers_describe_the_node_in_their_variables():
     assert node_topology({}) is None
 
 
+def test_an_elastic_pytorchjob_names_a_rendezvous_endpoint_and_a_range_of_nodes():
+    """An elastic PyTorchJob (elasticPolicy) gives every node the same variables: MIN:MAX nodes, the
+    c10d endpoint (no node rank: torch's agent finds the node that hosts it), restarts and settings."""
+    from multicard.runtime.environment import node_topology
+
+    job = {"PET_NNODES": "1:4", "PET_NPROC_PER_NODE": "8", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "job",
+           "PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_MAX_RESTARTS": "10",
+           "PET_RDZV_CONF": "last_call_timeout=5"}  # fmt: skip
+    expected = NodeTopology("kubeflow", 8, 4, None, "job-worker-0", 23456, 1, 10, "last_call_timeout=5")
+    assert node_topology(job) == expected
+    assert node_topology({**job, "PET_RDZV_ENDPOINT": "job-worker-0"}).master_port == 29400  # torchrun's c10d default
+    assert node_topology({**job, "PET_NNODES": "2"}).min_nodes is None  # a fixed size
+    with pytest.raises(UserError, match="PET_NNODES '4:1': need 1 <= MIN <= MAX"):
+        node_topology({**job, "PET_NNODES": "4:1"})
+
+
+def test_workers_key_the_agents_store_by_restart_only_where_the_agent_keeps_it():
+    """torch's agent shares its store with the workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which
+    multicard's launcher sets for restartable jobs): only the shared one outlives a restart."""
+    shared = detect_env({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert shared.agent_store and not detect_env({"RANK": "0", "WORLD_SIZE": "2"}).agent_store
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_trainjob_node_starts_its_workers_from_the_pet_variables(tmp_path):

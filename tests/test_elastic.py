@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, cli, final_params, load_checkpoint, max_rel_diff, run_here, slowed, wait_for
+from conftest import TINY, final_params, load_checkpoint, max_rel_diff, run_here, slowed, start, wait_for
 from multicard.base.errors import ExitCode
 from multicard.checkpoint import checkpoints_in
-from test_multinode import VALUES, TwoHosts, two_hosts  # noqa: F401 -- the hosts, and their fixture
+from multicard.cli.main import main
+from test_multinode import VALUES, TwoHosts, network_hosts
 
 pytestmark = pytest.mark.distributed
 
@@ -36,15 +37,26 @@ JOB = [*TINY, "threads=1", "devices=cpu", "precision=fp64", "model.kwargs={norm:
 STEPS = 3 * 256 // 32
 # Short rendezvous timings: a lost host is noticed 3 s after its last keep-alive, a round closes 1 s
 # after its fewest nodes are in, and a job below its fewest nodes ends after 8 s.
-RENDEZVOUS = ["--rdzv-timeout", "8", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"]
-PACED = {**slowed(200, rank=0), "MULTICARD_FAULT_ALONE_STEPS": "3"}  # see tests/faults/sitecustomize.py
+TIMINGS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+RENDEZVOUS = ["--rdzv-timeout", "8", "--rdzv-conf", TIMINGS]
+PACED = {**slowed(100, rank=0), "MULTICARD_FAULT_ALONE_STEPS": "3"}  # see tests/faults/sitecustomize.py
 
 
-def launcher(node: int, nodes: str, program: list[str]) -> list[str]:
-    """`multicard ...` of host `node` in a job of `nodes` nodes (N or MIN:MAX) of one process each."""
+def launcher(node: int, nodes: str, program: list[str], paced: bool = True) -> tuple[list[str], dict[str, str]]:
+    """`multicard ...` of host `node` in a job of `nodes` nodes (N or MIN:MAX) of one process each,
+    with its environment (rank 0's steps paced, unless not `paced`)."""
     flags = ["--nnodes", nodes, "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
              VALUES["HOST0"], "--master-port", "29400", "--max-restarts", "3", *RENDEZVOUS]  # fmt: skip
-    return [sys.executable, "-m", "multicard", program[0], *flags, *program[1:]]
+    return [sys.executable, "-m", "multicard", program[0], *flags, *program[1:]], PACED if paced else {}
+
+
+def pytorchjob(node: int, nodes: str, program: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The same from the variables an elastic Kubeflow PyTorchJob gives each node's one command: no
+    node rank, a rendezvous endpoint (torch's agent finds the node it names), MIN:MAX nodes."""
+    variables = {"PET_NNODES": nodes, "PET_NPROC_PER_NODE": "1", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "job",
+                 "PET_RDZV_ENDPOINT": f"{VALUES['HOST0']}:29400", "PET_MAX_RESTARTS": "3",
+                 "PET_RDZV_CONF": TIMINGS}  # fmt: skip
+    return [sys.executable, "-m", "multicard", *program], {**PACED, **variables}
 
 
 def records(out: Path, kind: str) -> list[dict]:
@@ -69,15 +81,16 @@ def trained_past(out: Path, step: int, world_size: int) -> bool:
     return bool(starts) and starts[-1]["world_size"] == world_size and records(out, "step")[-1]["step"] > step
 
 
-def shrink_and_grow(hosts: TwoHosts, program: list[str], out: Path) -> tuple[str, str]:
-    """Run `program` on both hosts as one elastic job (1:2 nodes); kill host 1 mid-epoch 2 (step > 10),
-    let host 0 go on alone, start host 1 again; both must end with 0. Host 0's (stdout, stderr)."""
-    first = [hosts.start(node, launcher(node, "1:2", program), PACED) for node in (1, 0)]
+def shrink_and_grow(hosts: TwoHosts, program: list[str], out: Path, how=launcher) -> tuple[str, str]:
+    """Run `program` on both hosts as one elastic job (1:2 nodes, started by `how`); kill host 1 mid-epoch
+    2 (past step 10), let host 0 go on alone, start host 1 again; both must end with 0. Host 0's
+    (stdout, stderr)."""
+    first = [hosts.start(node, *how(node, "1:2", program)) for node in (1, 0)]
     wait_for(lambda: trained_past(out, 10, world_size=2), what="step 11 at world size 2")
     kill_host(hosts, 1)
     first[0].wait(timeout=30)
     wait_for(lambda: trained_past(out, records(out, "membership")[-1]["step"], world_size=1), 90, "a step alone")
-    again = hosts.start(1, launcher(1, "1:2", program), PACED)
+    again = hosts.start(1, *how(1, "1:2", program))
     out0, err0 = first[1].communicate(timeout=120)
     _, err1 = again.communicate(timeout=60)
     assert (first[1].returncode, again.returncode) == (0, 0), f"host 0: {err0}\nhost 1: {err1}"
@@ -99,6 +112,34 @@ def check_elastic_run(out: Path, console: str, steps: int) -> None:
     assert f"nodes changed: node {host1} joined; world size 1 → 2" in console
 
 
+@pytest.mark.parametrize(
+    "flags, overrides, fragment",
+    [
+        (["--nnodes", "1:3"], [], "train.global_batch_size=32 does not split over every world size --nnodes 1:3 "
+         "allows (1, 2, 3 processes) × train.grad_accum=1; use a multiple of 6 such as 30 or 36"),
+        (["--nnodes", "2:4", "--nproc-per-node", "2"], ["train.global_batch_size=36"],
+         "(4, 6, 8 processes) × train.grad_accum=1; use a multiple of 24 such as 24 or 48"),
+        (["--nnodes", "3:2"], [], "--nnodes '3:2': need 1 <= MIN <= MAX nodes"),
+        (["--nnodes", "1:2", "--max-restarts", "2"], ["train.resume=never"], "train.resume=never would start the job"),
+        (["--nnodes", "1:2", "--rdzv-conf", "join_timeout=5"], [], "--rdzv-conf 'join_timeout=5': it takes"),
+    ],
+    ids=["batch", "batch-per-node", "range", "resume-never", "rdzv-conf"],
+)  # fmt: skip
+def test_an_elastic_job_that_cannot_run_at_every_size_is_refused_in_one_line(flags, overrides, fragment, tmp_path,
+                                                                            capsys):  # fmt: skip
+    command = ["train", "--nproc-per-node", "1", *flags, "--master-addr", "127.0.0.1", "--master-port", "29400"]
+    assert main([*command, *TINY, *overrides, f"out_dir={tmp_path / 'run'}"]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+@pytest.fixture
+def two_hosts():
+    with network_hosts() as hosts:
+        yield hosts
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The job's final parameters as one uninterrupted process."""
@@ -113,3 +154,105 @@ def test_a_host_killed_mid_epoch_leaves_and_rejoins_and_the_job_ends_as_one_proc
     console, _ = shrink_and_grow(two_hosts, ["train", *JOB, f"out_dir={tmp_path}"], tmp_path)
     check_elastic_run(tmp_path, console, STEPS)
     assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
+
+
+
+def newest_checkpoint_step(out: Path) -> int:
+    """The step of the newest checkpoint in out_dir, read whole (it must load)."""
+    return load_checkpoint(checkpoints_in(out / "checkpoints")[0])["step"]
+
+
+def ends_in_one_line(proc: subprocess.Popen, within: float) -> tuple[int, str, float]:
+    """(exit code, multicard's one line, seconds) of a launcher that must end on its own in time."""
+    began = time.monotonic()
+    _, err = proc.communicate(timeout=within)
+    lines = [line for line in err.splitlines() if line.startswith("multicard")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return proc.returncode, lines[0], time.monotonic() - began
+
+
+def test_below_min_nodes_the_job_waits_then_ends_in_one_line_and_resumes_exactly(two_hosts, one_process, tmp_path):
+    program = ["train", *JOB, f"out_dir={tmp_path}"]
+    hosts = [two_hosts.start(node, *launcher(node, "2:2", program)) for node in (1, 0)]
+    wait_for(lambda: trained_past(tmp_path, 2, world_size=2), what="step 3")
+    kill_host(two_hosts, 1)
+    saved = newest_checkpoint_step(tmp_path)
+    code, line, waited = ends_in_one_line(hosts[1], within=60)
+    assert code == ExitCode.NODES_LOST and waited >= 8  # --rdzv-timeout 8: it waited for host 1 that long
+    assert line.startswith("multicard: error: the job lost node(s) and fewer than 2 (--nnodes 2) were back")
+    assert "last checkpoint is intact" in line
+    assert newest_checkpoint_step(tmp_path) >= saved  # the newest still loads
+    again = [two_hosts.start(node, *launcher(node, "2:2", program, paced=False)) for node in (1, 0)]
+    for host in again:
+        _, err = host.communicate(timeout=120)
+        assert host.returncode == 0, err
+    assert [r["step"] for r in records(tmp_path, "step")] == list(range(1, STEPS + 1))
+    assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
+
+
+def test_losing_the_host_of_the_rendezvous_ends_the_job_in_one_line_with_its_checkpoints(two_hosts, tmp_path):
+    """torch's c10d rendezvous lives in node 0's agent: without it the others cannot re-form. They end
+    at once, saying so; the same command on every node resumes from the newest checkpoint."""
+    program = ["train", *JOB, f"out_dir={tmp_path}"]
+    hosts = [two_hosts.start(node, *launcher(node, "1:2", program)) for node in (1, 0)]
+    wait_for(lambda: trained_past(tmp_path, 2, world_size=2), what="step 3")
+    kill_host(two_hosts, 0)
+    code, line, _ = ends_in_one_line(hosts[0], within=60)
+    assert code == ExitCode.NODES_LOST
+    assert line.startswith(f"multicard: error: lost the rendezvous at {VALUES['HOST0']}:29400: node 0, which hosts it")
+    assert newest_checkpoint_step(tmp_path) >= 2
+
+# A user's own loop that no test of multicard names: a small GRU language model on a synthetic stream
+# of tokens, 6 steps an epoch, 4 epochs, in float64 with a checkpoint every 2 steps.
+SPELLER = """
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import multicard
+
+VOCABULARY, CONTEXT, WINDOWS = 11, 12, 96
+stream = torch.randint(0, VOCABULARY, (CONTEXT * WINDOWS + 1,), generator=torch.Generator().manual_seed(5))
+
+
+class Windows(torch.utils.data.Dataset):
+    def __len__(self):
+        return WINDOWS
+
+    def __getitem__(self, i):
+        piece = stream[i * CONTEXT : (i + 1) * CONTEXT + 1]
+        return piece[:-1], piece[1:]
+
+
+class Speller(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(VOCABULARY, 16), nn.GRU(16, 24, batch_first=True)
+        self.head = nn.Linear(24, VOCABULARY)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+run = multicard.Run(sys.argv[1], global_batch_size=16, precision="fp64", devices="cpu", checkpoint_every=2,
+                    log_every=1, options={"threads": 1})
+model = Speller()
+model, optimizer = run.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+train = run.loader(Windows())
+for epoch in run.epochs(4):
+    for tokens, following in train:
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), following.flatten())
+        run.backward(loss)
+        run.step(optimizer)
+        run.log(loss=loss)
+"""
+
+
+def test_a_user_loop_shrinks_and_grows_under_pytorchjob_variables_and_ends_as_one_process(two_hosts, tmp_path):
+    script = tmp_path / "speller.py"
+    script.write_text(SPELLER)
+    alone = start("run", str(script), str(tmp_path / "one"))  # the uninterrupted run, meanwhile
+    console, _ = shrink_and_grow(two_hosts, ["run", str(script), str(tmp_path / "two")], tmp_path / "two", pytorchjob)
+    assert alone.wait(timeout=60) == 0, alone.communicate()[1]
+    check_elastic_run(tmp_path / "two", console, 4 * 96 // 16)
+    assert max_rel_diff(final_params(tmp_path / "two"), final_params(tmp_path / "one")) <= 1e-10

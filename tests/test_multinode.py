@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -123,8 +125,10 @@ class TwoHosts:
             subprocess.run(["ip", "link", "del", end], capture_output=True)
 
 
-@pytest.fixture
-def two_hosts():
+@contextmanager
+def network_hosts() -> Iterator[TwoHosts]:
+    """Two hosts for a test, removed with every process in them afterwards; the test is skipped,
+    with the reason, where network namespaces are not available."""
     if os.geteuid() != 0:
         pytest.skip("two hosts need network namespaces: run as root")
     hosts = TwoHosts()
@@ -136,6 +140,12 @@ def two_hosts():
         yield hosts
     finally:
         hosts.destroy()
+
+
+@pytest.fixture
+def two_hosts():
+    with network_hosts() as hosts:
+        yield hosts
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ from multicard.run.session import (
 )
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.process_group import ProcessContext, teardown
-from multicard.runtime.stopping import GracefulStop
+from multicard.runtime.stopping import POLL_EVERY, GracefulStop
 from multicard.strategy.base import Strategy
 from multicard.strategy.topology import resolve
 
@@ -79,8 +79,10 @@ class Assembly:
 
     @cached_property
     def stop(self) -> GracefulStop:
-        """Graceful-stop signal handling, from here until the run ends."""
-        return self.stack.enter_context(GracefulStop(self.strategy.start_max, announce=self.ctx.is_main))
+        """Graceful-stop signal handling, from here until the run ends. One process agrees with itself
+        at every step (an elastic job shrunk to one stops at once when a node joins)."""
+        every = 1 if self.ctx.world_size == 1 else POLL_EVERY
+        return self.stack.enter_context(GracefulStop(self.strategy.start_max, every, announce=self.ctx.is_main))
 
     @cached_property
     def batch_split(self) -> BatchSplit:
