@@ -189,6 +189,13 @@ def test_an_elastic_pytorchjob_names_a_rendezvous_endpoint_and_a_range_of_nodes(
         node_topology({**job, "PET_NNODES": "4:1"})
 
 
+def test_workers_of_an_elastic_job_know_every_world_size_it_may_run_at():
+    """multicard's launcher tells them MIN:MAX (MULTICARD_NNODES): a script's Run checks its batch at each."""
+    env = detect_env({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MULTICARD_NNODES": "1:3"})
+    assert env.world_sizes == [2, 4, 6]
+    assert detect_env({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).world_sizes == [4]
+
+
 def test_workers_key_the_agents_store_by_restart_only_where_the_agent_keeps_it():
     """torch's agent shares its store with the workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which
     multicard's launcher sets for restartable jobs): only the shared one outlives a restart."""

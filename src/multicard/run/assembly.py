@@ -22,7 +22,7 @@ from typing import Any
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from multicard.base.config import Config, to_dict
+from multicard.base.config import Config, check_world_sizes, to_dict
 from multicard.base.errors import MulticardError, Stopped
 from multicard.checkpoint import Checkpointer, RunFacts
 from multicard.checkpoint.weights import load_weights
@@ -86,7 +86,11 @@ class Assembly:
 
     @cached_property
     def batch_split(self) -> BatchSplit:
-        return BatchSplit(self.cfg.train.global_batch_size, self.cfg.train.grad_accum, self.ctx.world_size)
+        """The global batch over this world size; an elastic job's must split at every size it may run at."""
+        train = self.cfg.train
+        if self.env.nnodes is not None:
+            check_world_sizes(train.global_batch_size, train.grad_accum, self.env.world_sizes, self.env.nnodes)
+        return BatchSplit(train.global_batch_size, train.grad_accum, self.ctx.world_size)
 
     # ------------------------------------------------------------ data, model, trainer
 

@@ -19,6 +19,7 @@ from multicard.base.errors import UserError
 SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id above this base
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
 LAUNCHER_STOP_S = "MULTICARD_LAUNCHER_STOP_S"  # the seconds it gives them to stop (its stop timeout)
+NODE_RANGE = "MULTICARD_NNODES"  # multicard's launcher tells its workers an elastic job's MIN:MAX nodes
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,15 @@ class ProcessEnv:
     # The agent hosts the workers' store and keeps it over restarts (torch's default); False: rank 0
     # hosts a fresh one at each start (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as elastic runs need).
     agent_store: bool = False
+    nnodes: str | None = None  # an elastic job's MIN:MAX nodes, where multicard's launcher started it
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Every world size this job may run at (an elastic job's MIN:MAX × processes per node)."""
+        if self.nnodes is None:
+            return [self.world_size]
+        fewest, most = node_range(self.nnodes, NODE_RANGE)
+        return [nodes * self.local_world_size for nodes in range(fewest, most + 1)]
 
     @property
     def launched(self) -> bool:
@@ -141,6 +151,7 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
             stop_timeout_s=float(environ.get(LAUNCHER_STOP_S, ProcessEnv.stop_timeout_s)),
             restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            nnodes=environ.get(NODE_RANGE),
             rank=_int(environ, "RANK"),
             local_rank=_int(environ, "LOCAL_RANK", default=0),
             world_size=_int(environ, "WORLD_SIZE"),
