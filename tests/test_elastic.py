@@ -97,8 +97,9 @@ def shrink_and_grow(hosts: TwoHosts, program: list[str], out: Path, how=launcher
     return out0, err0
 
 
-def check_elastic_run(out: Path, console: str, steps: int) -> None:
-    """Every step logged once; the job went 2 → 1 (host 1 left) → 2 (it joined), each said in one line."""
+def check_elastic_run(out: Path, console: tuple[str, str], steps: int) -> None:
+    """Every step logged once; the job went 2 → 1 (host 1 left) → 2 (it joined), each said in one line;
+    host 0's stop for the join says that the job goes on. `console`: host 0's (stdout, stderr)."""
     assert [r["step"] for r in records(out, "step")] == list(range(1, steps + 1))
     starts = records(out, "membership")
     host1 = f"{socket.gethostname()}/{VALUES['HOST1']}"  # the hosts share a name: their address tells them apart
@@ -108,8 +109,11 @@ def check_elastic_run(out: Path, console: str, steps: int) -> None:
     assert joined and joined[-1]["world_size"] == 2 and joined[-1]["step"] > left[0]["step"], starts
     assert left[0]["redone"] is not None and 0 <= left[0]["redone"] < 2  # a checkpoint every 2 steps
     assert joined[-1]["redone"] == 0  # the agent stopped the lone worker with a checkpoint
-    assert f"nodes changed: node {host1} left; world size 2 → 1; resumed from step {left[0]['step']}" in console
-    assert f"nodes changed: node {host1} joined; world size 1 → 2" in console
+    said, errors = console
+    assert f"nodes changed: node {host1} left; world size 2 → 1; resumed from step {left[0]['step']}" in said
+    assert f"nodes changed: node {host1} joined; world size 1 → 2" in said
+    assert f"stopped at step {joined[-1]['step']} with a checkpoint: the agent restarts the workers" in errors
+    assert "run the same command" not in errors
 
 
 @pytest.mark.parametrize(
@@ -151,7 +155,7 @@ def one_process(tmp_path_factory):
 def test_a_host_killed_mid_epoch_leaves_and_rejoins_and_the_job_ends_as_one_process(
     two_hosts, one_process, tmp_path
 ):  # fmt: skip
-    console, _ = shrink_and_grow(two_hosts, ["train", *JOB, f"out_dir={tmp_path}"], tmp_path)
+    console = shrink_and_grow(two_hosts, ["train", *JOB, f"out_dir={tmp_path}"], tmp_path)
     check_elastic_run(tmp_path, console, STEPS)
     assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
 
@@ -252,7 +256,7 @@ def test_a_user_loop_shrinks_and_grows_under_pytorchjob_variables_and_ends_as_on
     script = tmp_path / "speller.py"
     script.write_text(SPELLER)
     alone = start("run", str(script), str(tmp_path / "one"))  # the uninterrupted run, meanwhile
-    console, _ = shrink_and_grow(two_hosts, ["run", str(script), str(tmp_path / "two")], tmp_path / "two", pytorchjob)
+    console = shrink_and_grow(two_hosts, ["run", str(script), str(tmp_path / "two")], tmp_path / "two", pytorchjob)
     assert alone.wait(timeout=60) == 0, alone.communicate()[1]
     check_elastic_run(tmp_path / "two", console, 4 * 96 // 16)
     assert max_rel_diff(final_params(tmp_path / "two"), final_params(tmp_path / "one")) <= 1e-10

@@ -20,6 +20,7 @@ SLURM_DEFAULT_PORT_BASE = 15000  # Slurm runs derive a port from the job id abov
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # set by multicard's own launcher for its workers
 LAUNCHER_STOP_S = "MULTICARD_LAUNCHER_STOP_S"  # the seconds it gives them to stop (its stop timeout)
 NODE_RANGE = "MULTICARD_NNODES"  # multicard's launcher tells its workers an elastic job's MIN:MAX nodes
+STOP_MARK = "stop"  # in an agent's folder: its launcher was told to stop the job (a signal to it)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ProcessEnv:
     # hosts a fresh one at each start (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as elastic runs need).
     agent_store: bool = False
     nnodes: str | None = None  # an elastic job's MIN:MAX nodes, where multicard's launcher started it
+    max_restarts: int = 0  # torchrun's --max-restarts
 
     @property
     def world_sizes(self) -> list[int]:
@@ -88,6 +90,15 @@ def parent_agent_folder(env: ProcessEnv) -> Path | None:
     """agent_folder of the agent that started this worker (its parent), or None without one (one
     process, srun)."""
     return agent_folder(os.getppid()) if env.source == "torchrun" else None
+
+
+def stopped_to_restart(env: ProcessEnv) -> bool:
+    """A stop signal this worker got came from its agent, to start the workers again (nodes joined, or
+    a worker failed), not from a person or a scheduler: multicard's launcher marks the stops it is told
+    of in its folder (STOP_MARK), and the agent may restart. (Under torchrun it cannot be told apart.)"""
+    folder = parent_agent_folder(env)
+    restartable = env.max_restarts > 0 or env.nnodes is not None
+    return env.launcher_pid is not None and restartable and folder is not None and not (folder / STOP_MARK).exists()
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -152,6 +163,7 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
             restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             nnodes=environ.get(NODE_RANGE),
+            max_restarts=_int(environ, "TORCHELASTIC_MAX_RESTARTS", default=0),
             rank=_int(environ, "RANK"),
             local_rank=_int(environ, "LOCAL_RANK", default=0),
             world_size=_int(environ, "WORLD_SIZE"),

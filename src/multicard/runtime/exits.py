@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from multicard.base.errors import ExitCode, MulticardError, Stopped
-from multicard.runtime.environment import ProcessEnv, detect_env
+from multicard.runtime.environment import ProcessEnv, detect_env, stopped_to_restart
 from multicard.runtime.process_tree import PR_SET_PDEATHSIG, adopt_orphans, end_descendants, prctl
 from multicard.runtime.script import from_the_script
 
@@ -48,7 +48,10 @@ def report_error(exc: BaseException) -> int | None:
     ends here (see end_process), before its peers see its connections close."""
     env = detect_env()
     if isinstance(exc, Stopped):
-        if env.is_main:  # every rank stopped alike; one line is enough
+        if env.is_main and stopped_to_restart(env):
+            print(f"multicard: stopped at step {exc.step} with a checkpoint: the agent restarts the workers "
+                  f"(nodes joined, or a worker failed), and the job goes on by itself", file=sys.stderr)  # fmt: skip
+        elif env.is_main:  # every rank stopped alike; one line is enough
             print(f"multicard: {exc}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, MulticardError):

@@ -30,7 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from multicard.base.config import CheckpointConfig
 from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, MulticardError, NodesLost, UserError
 from multicard.base.host_memory import available_memory
-from multicard.runtime.environment import LAUNCHER_PID, LAUNCHER_STOP_S, NODE_RANGE, agent_folder
+from multicard.runtime.environment import LAUNCHER_PID, LAUNCHER_STOP_S, NODE_RANGE, STOP_MARK, agent_folder
 from multicard.runtime.process_group import cpu_cores, route_addr, wait_for_master
 from multicard.runtime.stopping import STOP_SIGNALS, hand_over, quit_line
 
@@ -303,6 +303,7 @@ class StopRelay:
             return
         self.signum = signum
         self._ranks = _workers()
+        _mark_stop(signum)
         self._send(signum)
         self._wait()
         raise SignalException(f"multicard's launcher got {signal.Signals(signum).name}", signal.Signals(signum))
@@ -360,6 +361,15 @@ class StopRelay:
         if line is not None:
             print(f"multicard: error: {line}", file=sys.stderr)
         return code
+
+
+def _mark_stop(signum: int) -> None:
+    """Tell this launcher's workers that the signal they get is a stop of the job, not their agent's
+    restart (environment.stopped_to_restart)."""
+    folder = agent_folder(os.getpid())
+    if folder is not None:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        (folder / STOP_MARK).write_text(signal.Signals(signum).name)
 
 
 def _quiet_torch_agent() -> None:

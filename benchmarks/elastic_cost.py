@@ -1,0 +1,155 @@
+"""What an elastic job pays for losing a node: the step-time cost of its checkpoint cadence, and the
+steps it trains again (and the seconds it stands still) each time a node is lost.
+
+1. Cadence: the same `multicard train` job (configs/demo.yaml, one process) with a checkpoint every
+   `--every` steps against none, alternating (none, every, every, none, ...) so a drifting machine
+   favours neither; steady img/s over the step records after the first window (metrics.jsonl), whose
+   windows hold the checkpoints' time. Prints every / none (1.00 = free; the target is >= 0.97).
+2. Losses: an elastic job of two nodes on this host (two launchers on loopback, one process each,
+   `--nnodes 1:2`), a checkpoint every `--every` steps; at a random step one node is killed (SIGKILL to
+   its launcher and workers), the other goes on alone. From the `membership` record of the re-formed
+   job: the steps redone, and the seconds from the kill to the re-formed job's start.
+
+    python benchmarks/elastic_cost.py [--repeats 3] [--every 10] [--losses 3] [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOB = ["--config", "configs/demo.yaml", "data.train_size=12800", "data.val_size=1000", "train.epochs=1",
+       "log_every=10", "train.resume=never"]  # fmt: skip
+# The elastic job: the demo at 16 px for 2 epochs of 50 steps, every step logged (the kill is timed by it).
+ELASTIC = ["--config", "configs/demo.yaml", "data.image_size=16", "data.train_size=6400", "data.val_size=500",
+           "train.epochs=2", "log_every=1"]  # fmt: skip
+
+
+def records(metrics: Path, kind: str) -> list[dict]:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    found = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # being written
+        if record.get("kind") == kind:
+            found.append(record)
+    return found
+
+
+def steady_img_per_s(metrics: Path) -> float:
+    """Images per second over the step windows after the first (weighted by steps: the batch cancels)."""
+    windows, previous = [], None
+    for r in records(metrics, "step"):
+        if previous is not None:
+            windows.append((r["step"] - previous, r["img_per_s"]))
+        previous = r["step"]
+    return sum(k for k, _ in windows) / sum(k / rate for k, rate in windows)
+
+
+def cadence_run(out: Path, every: int, extra: list[str]) -> float:
+    cmd = [sys.executable, "-m", "multicard", "train", *JOB, f"checkpoint.every_steps={every}", *extra,
+           f"out_dir={out}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"run failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    return steady_img_per_s(out / "metrics.jsonl")
+
+
+def cadence(repeats: int, every: int, extra: list[str], tmp: Path) -> None:
+    rates: dict[int, list[float]] = {0: [], every: []}
+    for i in range(repeats):
+        for cells in ((0, every) if i % 2 == 0 else (every, 0)):
+            rate = cadence_run(tmp / f"cadence-{i}-{cells}", cells, extra)
+            rates[cells].append(rate)
+            print(f"repeat {i} checkpoint.every_steps={cells:<3} {rate:8.1f} img/s", flush=True)
+    pairs = [a / b for a, b in zip(rates[every], rates[0], strict=True)]
+    print(f"cadence: a checkpoint every {every} steps / none = {statistics.median(pairs):.3f} "
+          f"[{min(pairs):.3f}-{max(pairs):.3f}] (img/s, median of {repeats} pairs)", flush=True)  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(rank: int, port: int, every: int, out: Path, extra: list[str]) -> subprocess.Popen:
+    flags = ["--nnodes", "1:2", "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--max-restarts", "1", "--rdzv-conf", "last_call_timeout=2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "multicard", "train", *flags, *ELASTIC, f"checkpoint.every_steps={every}",
+           "threads=1", *extra, f"out_dir={out}"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(condition, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit("timed out")
+        time.sleep(0.02)
+
+
+def loss(every: int, extra: list[str], out: Path, rng: random.Random) -> tuple[int, float]:
+    """(steps redone, seconds from the kill to the re-formed job's start) of one lost node."""
+    port, metrics = free_port(), out / "metrics.jsonl"
+    nodes = [node(0, port, every, out, extra), node(1, port, every, out, extra)]
+    try:
+        wait_for(lambda: any(r["world_size"] == 2 for r in records(metrics, "membership")))
+        at = rng.randint(2 * every + 1, 3 * every)  # a uniformly random step between two checkpoints
+        wait_for(lambda: any(r["step"] >= at for r in records(metrics, "step")))
+        killed = time.time()
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        reformed = lambda: [r for r in records(metrics, "membership") if r["time"] > killed]  # noqa: E731
+        wait_for(lambda: bool(reformed()))
+        start = reformed()[0]
+        return start["redone"], start["time"] - killed
+    finally:
+        for proc in nodes:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def losses(count: int, every: int, extra: list[str], tmp: Path) -> None:
+    rng = random.Random(0)
+    redone, still = [], []
+    for i in range(count):
+        steps, seconds = loss(every, extra, tmp / f"loss-{i}", rng)
+        redone.append(steps)
+        still.append(seconds)
+        print(f"loss {i}: {steps} step(s) redone, re-formed {seconds:.1f} s after the kill", flush=True)
+    print(f"losses: {statistics.mean(redone):.1f} step(s) redone on average [{min(redone)}-{max(redone)}], "
+          f"re-formed after {statistics.median(still):.1f} s [{min(still):.1f}-{max(still):.1f}] "
+          f"(a checkpoint every {every} steps, {count} losses)", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3, help="pairs of cadence runs (default 3)")
+    p.add_argument("--every", type=int, default=10, help="checkpoint.every_steps (default 10)")
+    p.add_argument("--losses", type=int, default=3, help="nodes lost, each in a job of its own (default 3)")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.repeats:
+            cadence(args.repeats, args.every, args.overrides, Path(tmp))
+        if args.losses:
+            losses(args.losses, args.every, args.overrides, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
