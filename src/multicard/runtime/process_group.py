@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
@@ -219,6 +220,13 @@ def join_group(env: ProcessEnv, device: torch.device, timeout_s: int) -> Any:
         # from reading a dead peer's address left by the previous attempt. (Elastic runs need a fresh
         # store per start instead: the count differs between nodes once one has joined; launch.py.)
         store = dist.PrefixStore(f"multicard/attempt-{env.restart}", store)
+        if env.max_restarts > 0 and env.is_main:
+            print(
+                "multicard: warning: torchrun shares its rendezvous store with the workers, and restarts then "
+                "meet stale keys and hang when a node joins; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every "
+                "node (docs/fault-tolerance.md, elastic jobs)",
+                file=sys.stderr,
+            )
     cuda = device.type == "cuda"
     dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if cuda else None)  # fmt: skip
