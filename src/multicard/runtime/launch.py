@@ -458,16 +458,17 @@ def _rendezvous_failed(exc: RendezvousError, options: LaunchOptions, endpoint: s
     """The one line for a rendezvous that failed: before the job started (bad input: UserError), or
     when the job re-formed after losing nodes (NodesLost: its checkpoints stay, the same command resumes)."""
     trained = (folder := agent_folder(os.getpid())) is not None and folder.exists()  # membership.py made it
-    resume = "its last checkpoint is intact: start the lost node(s), then the same command on every node resumes"
     if isinstance(exc, RendezvousTimeoutError) and trained:
         return NodesLost(
             f"the job lost node(s) and fewer than {options.fewest} (--nnodes {options.nodes_text}) were back "
-            f"at the rendezvous {endpoint} within --rdzv-timeout {options.rdzv_timeout} s; {resume}"
+            f"at the rendezvous {endpoint} within --rdzv-timeout {options.rdzv_timeout} s; its last checkpoint is "
+            f"intact: start the lost node(s), then the same command on every node resumes"
         )
     if isinstance(exc, RendezvousConnectionError) and trained:
         return NodesLost(
             f"lost the rendezvous at {endpoint}: node 0, which hosts it, is gone, and the other nodes cannot "
-            f"re-form without it; {resume} (node 0 first)"
+            f"re-form without it; its last checkpoint is intact: start the lost node(s), then the same command on "
+            f"every node resumes (node 0 first)"
         )
     if isinstance(exc, RendezvousTimeoutError):
         return UserError(
