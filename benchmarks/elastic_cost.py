@@ -101,6 +101,33 @@ def wait_for(condition, timeout: float = 300.0) -> None:
         time.sleep(0.02)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torch's agent starts each worker in a process group of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else None
+        except OSError:
+            continue
+        if parent is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for p in frontier for child in children.get(p, [])]
+        found += frontier
+    return found
+
+
+def kill_node(launcher: subprocess.Popen) -> None:
+    """SIGKILL to a node's launcher and its workers, workers first (they would stop gracefully)."""
+    for pid in [*descendants(launcher.pid), launcher.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.wait()
+
+
 def loss(every: int, extra: list[str], out: Path, rng: random.Random) -> tuple[int, float]:
     """(steps redone, seconds from the kill to the re-formed job's start) of one lost node."""
     port, metrics = free_port(), out / "metrics.jsonl"
@@ -110,18 +137,14 @@ def loss(every: int, extra: list[str], out: Path, rng: random.Random) -> tuple[i
         at = rng.randint(2 * every + 1, 3 * every)  # a uniformly random step between two checkpoints
         wait_for(lambda: any(r["step"] >= at for r in records(metrics, "step")))
         killed = time.time()
-        os.killpg(nodes[1].pid, signal.SIGKILL)
+        kill_node(nodes[1])
         reformed = lambda: [r for r in records(metrics, "membership") if r["time"] > killed]  # noqa: E731
         wait_for(lambda: bool(reformed()))
         start = reformed()[0]
         return start["redone"], start["time"] - killed
     finally:
         for proc in nodes:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            kill_node(proc)
 
 
 def losses(count: int, every: int, extra: list[str], tmp: Path) -> None:
