@@ -39,18 +39,21 @@ STEPS = 3 * 256 // 32
 # after its fewest nodes are in, and a job below its fewest nodes ends after 8 s.
 TIMINGS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 RENDEZVOUS = ["--rdzv-timeout", "8", "--rdzv-conf", TIMINGS]
-PACED = {**slowed(100, rank=0), "MULTICARD_FAULT_ALONE_STEPS": "3"}  # see tests/faults/sitecustomize.py
+PACED = {**slowed(150, rank=0), "MULTICARD_FAULT_ALONE_STEPS": "3"}  # see tests/faults/sitecustomize.py
 
 
-def launcher(node: int, nodes: str, program: list[str], paced: bool = True) -> tuple[list[str], dict[str, str]]:
+Command = tuple[list[str], dict[str, str]]  # argv and environment of a host's one command
+
+
+def launcher(node: int, nodes: str, program: list[str], env: dict[str, str] = PACED) -> Command:
     """`multicard ...` of host `node` in a job of `nodes` nodes (N or MIN:MAX) of one process each,
-    with its environment (rank 0's steps paced, unless not `paced`)."""
+    with its environment (rank 0's steps paced)."""
     flags = ["--nnodes", nodes, "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
              VALUES["HOST0"], "--master-port", "29400", "--max-restarts", "3", *RENDEZVOUS]  # fmt: skip
-    return [sys.executable, "-m", "multicard", program[0], *flags, *program[1:]], PACED if paced else {}
+    return [sys.executable, "-m", "multicard", program[0], *flags, *program[1:]], env
 
 
-def pytorchjob(node: int, nodes: str, program: list[str]) -> tuple[list[str], dict[str, str]]:
+def pytorchjob(node: int, nodes: str, program: list[str]) -> Command:
     """The same from the variables an elastic Kubeflow PyTorchJob gives each node's one command: no
     node rank, a rendezvous endpoint (torch's agent finds the node it names), MIN:MAX nodes."""
     variables = {"PET_NNODES": nodes, "PET_NPROC_PER_NODE": "1", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "job",
@@ -155,10 +158,26 @@ def one_process(tmp_path_factory):
 def test_a_host_killed_mid_epoch_leaves_and_rejoins_and_the_job_ends_as_one_process(
     two_hosts, one_process, tmp_path
 ):  # fmt: skip
-    console = shrink_and_grow(two_hosts, ["train", *JOB, f"out_dir={tmp_path}"], tmp_path)
+    program = ["train", *JOB, "checkpoint.async_save=true", "checkpoint.local_copy=true", f"out_dir={tmp_path}"]
+    console = shrink_and_grow(two_hosts, program, tmp_path)
     check_elastic_run(tmp_path, console, STEPS)
     assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
 
+
+def test_a_restart_resumes_from_each_nodes_own_copy_when_the_durable_one_was_not_written(one_process, tmp_path):
+    """Rank 0 is killed while the checkpoint of step 12 is written in the background (tests/faults): the
+    checkpoint folder's newest is step 10, each node's own copy is step 12; the agent restarts the workers
+    and they resume from their copies, with nothing redone, and end as one process would."""
+    env = {**slowed(0, rank=0), "MULTICARD_FAULT_KILL_SAVE": "12"}
+    program = ["--nproc-per-node", "2", "--max-restarts", "1", *JOB, "checkpoint.async_save=true",
+               "checkpoint.local_copy=true", f"out_dir={tmp_path}"]  # fmt: skip
+    out = run_here("train", *program, env=env)
+    assert f"resuming from each node's own copy of step 12: the newest in {tmp_path / 'checkpoints'} is " in out
+    assert "step-000000010.pt (its write had not finished)" in out
+    restart = records(tmp_path, "membership")[-1]
+    assert (restart["step"], restart["redone"], restart["restart"]) == (12, 0, 1)
+    assert [r["step"] for r in records(tmp_path, "step")] == list(range(1, STEPS + 1))
+    assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
 
 
 def newest_checkpoint_step(out: Path) -> int:
@@ -186,7 +205,7 @@ def test_below_min_nodes_the_job_waits_then_ends_in_one_line_and_resumes_exactly
     assert line.startswith("multicard: error: the job lost node(s) and fewer than 2 (--nnodes 2) were back")
     assert "last checkpoint is intact" in line
     assert newest_checkpoint_step(tmp_path) >= saved  # the newest still loads
-    again = [two_hosts.start(node, *launcher(node, "2:2", program, paced=False)) for node in (1, 0)]
+    again = [two_hosts.start(node, *launcher(node, "2:2", program, env={})) for node in (1, 0)]
     for host in again:
         _, err = host.communicate(timeout=120)
         assert host.returncode == 0, err

@@ -195,11 +195,11 @@ def test_a_file_of_a_sharded_checkpoint_names_its_directory(uninterrupted, tmp_p
     assert "is incomplete (a run ended while writing it)" in capsys.readouterr().err
 
 
-def test_zero1_and_async_save_are_refused_where_they_cannot_work(tmp_path, capsys):
+def test_zero1_and_node_copies_are_refused_where_they_cannot_work(tmp_path, capsys):
     cases = [
         (["strategy=single", "ddp.shard_optimizer=true"], "ZeRO-1) shards optimizer state over DDP ranks but"),
         (["strategy=ddp", "ddp.shard_optimizer=true", "checkpoint.format=sharded"], "gathers the whole optimizer"),
-        (["strategy=ddp", "checkpoint.async_save=true"], "checkpoint.async_save=true writes sharded checkpoints"),
+        (["checkpoint.format=sharded", "checkpoint.local_copy=true"], "checkpoint.local_copy=true keeps single-file"),
         (["data.image_size=224"], "synthetic images of 224 px take about"),
     ]
     for overrides, message in cases:

@@ -13,6 +13,9 @@ itself has no hook for this: the fault is patched in here.
   MULTICARD_FAULT_ALONE_STEPS=K, a process of a job at world size 1 (an elastic job that lost its other
   nodes) takes K steps, then waits before each next one until it gets a stop signal (a node joins:
   its agent stops the workers to re-form), so the job cannot end before a returning node joins it;
+  with MULTICARD_FAULT_KILL_SAVE=N, the background write of the checkpoint of step N
+  (checkpoint.async_save) kills its process (SIGKILL) before it writes: a process lost while its
+  durable copy was being written;
 - slow-stop: as slow-steps, and the checkpoint of a stop on a signal waits MULTICARD_FAULT_STOP_S
   first, asleep (a stop that needs longer than a launcher might give it);
 - slow-start: the process sleeps MULTICARD_FAULT_MS before anything else, with signals at their
@@ -75,6 +78,8 @@ def _install() -> None:
             return original_step(self, *args, **kwargs)
 
         Loop.optimizer_step = step
+        if "MULTICARD_FAULT_KILL_SAVE" in os.environ:
+            _die_in_a_durable_write(int(os.environ["MULTICARD_FAULT_KILL_SAVE"]))
         if FAULT == "slow-stop":
             from multicard.checkpoint import Checkpointer
 
@@ -95,6 +100,21 @@ def _install() -> None:
             return original_reduce(self)
 
         Trainer.reduce_statistics = reduce_statistics
+
+
+def _die_in_a_durable_write(step: int) -> None:
+    import signal
+
+    from multicard.checkpoint import single_file
+
+    original_init = single_file.Upload.__init__
+    fatal = f"step-{step:09d}.pt"
+
+    def init(self, work, what, wait_s):
+        original_init(self, (lambda: os.kill(os.getpid(), signal.SIGKILL)) if what.endswith(fatal) else work, what,
+                      wait_s)  # fmt: skip
+
+    single_file.Upload.__init__ = init
 
 
 if FAULT == "slow-start" and ON_THIS_RANK:

@@ -42,6 +42,7 @@ from multicard.checkpoint.folder import (
     split,
     step_of,
 )
+from multicard.checkpoint.node_copies import NodeCopies
 from multicard.checkpoint.sharded import TRAIN_STATE
 from multicard.engine.loop import Callback, Loop, StepEnd
 from multicard.engine.meters import EvalResult
@@ -132,7 +133,9 @@ class Checkpointer(Callback):
         options: CheckpointConfig,
         run: RunFacts,
         say: Callable[[str], None] = lambda line: None,
+        node_copies: Path | None = None,
     ) -> None:
+        """`node_copies`: where this node keeps its own copies (checkpoint.local_copy; node_copies.py)."""
         self.store = checkpoint_store(folder, options.dir)  # checkpoint.dir, else `folder`
         self.folder = CheckpointFolder(self.store)
         self.strategy = strategy
@@ -142,9 +145,13 @@ class Checkpointer(Callback):
         self.say = say
         self.fmt = FORMATS[strategy.checkpoint_format if options.format == "auto" else options.format]
         self.last_saved: tuple[int, Path | str] | None = None
-        # Background writes need a process group of their own: their collectives would otherwise
-        # interleave with training's (gloo aborts on that).
-        self.background = dist.new_group(backend="gloo") if options.async_save and self.ctx.distributed else None
+        # Background writes: a file is rank 0's alone (a thread); shards need a process group of their own,
+        # or their collectives would interleave with training's (gloo aborts on that).
+        self.background: Any = None
+        if options.async_save:
+            sharded = self.fmt is FORMATS["sharded"]
+            self.background = (dist.new_group(backend="gloo") if self.ctx.distributed else None) if sharded else True
+        self.copies = NodeCopies(node_copies, self.ctx) if node_copies is not None else None
         self._pending: tuple[str, Callable[[], None], bool] | None = None  # a write still in progress
         self._best: str | None | bool = False  # the checkpoint `best` names (False: not asked of the store yet)
 
@@ -162,11 +169,18 @@ class Checkpointer(Callback):
             self._tidy()
             if mode == "never":
                 self._remove_all()
+                if self.copies is not None:
+                    self.copies.clear()
             elif mode == "auto":
                 chosen = self._newest_valid()
         if mode not in ("auto", "never"):
             chosen = resume_path(mode)  # every rank reads it, and a bad one fails on every rank
-        return self.strategy.broadcast_object(chosen)
+        chosen = self.strategy.broadcast_object(chosen)
+        own = self.copies.newer(chosen, self.fmt.name_for) if self.copies is not None and mode == "auto" else None
+        if own is not None and self.ctx.is_main:
+            self.say(f"resuming from each node's own copy of step {own[0]}: the newest in {self.store.url} is "
+                     f"{chosen or 'none'} (its write had not finished)")  # fmt: skip
+        return own[1] if own is not None else chosen
 
     def _tidy(self) -> None:
         """A file in the folder's way is said before any training, not after an epoch (the folder itself
@@ -220,8 +234,11 @@ class Checkpointer(Callback):
         loop.set_phase(CHECKPOINT)
         self.finish_writing()
         name = self.fmt.name_for(loop.position.global_step)
+        copy = {"node_copy": self.copies.store} if self.copies is not None else {}  # single files only
         complete, in_background = self.fmt.write(self.store, name, self._contents(loop, val), self.ctx,
-                                                 self.background, self.options.stop_timeout_s)  # fmt: skip
+                                                 self.background, self.options.stop_timeout_s, **copy)  # fmt: skip
+        if self.copies is not None:
+            self.copies.rotate()
         self._pending = (name, complete, best)
         if not in_background:  # the same answer on every rank
             self.finish_writing()

@@ -8,6 +8,7 @@ Files are read with torch's weights-only unpickler: a crafted file cannot run co
 
 from __future__ import annotations
 
+import io
 import pickle
 import threading
 import warnings
@@ -70,12 +71,30 @@ class SingleFile:
         return path.suffix == SUFFIX and not path.is_dir()
 
     def write(self, store: Store, name: str, state: dict[str, Any], ctx: ProcessContext, background: Any = None,
-              wait_s: float = 0.0) -> tuple[Callable[[], None], bool]:  # fmt: skip
+              wait_s: float = 0.0, node_copy: Store | None = None) -> tuple[Callable[[], None], bool]:  # fmt: skip
         """Rank 0 writes (every rank holds the same model): on local disk complete on return; on object
-        storage the state is serialised at once (a snapshot: training then changes the tensors) and a thread
-        uploads and commits it while training goes on. `complete`, and whether it goes on in the background."""
-        upload = store.write_later(name, (lambda f: torch.save(state, f)) if ctx.is_main else None)
-        if upload is None:  # written (every rank alike: the same store)
+        storage, or with `background` (checkpoint.async_save), the state is serialised at once (a snapshot:
+        training then changes the tensors) and a thread writes (uploads) and commits it while training goes
+        on. `node_copy`: every node's first process writes the same bytes there at once (node_copies.py).
+        `complete`, and whether it goes on in the background."""
+        if node_copy is None and background is None:
+            upload = store.write_later(name, (lambda f: torch.save(state, f)) if ctx.is_main else None)
+            if upload is None:  # written (every rank alike: the same store)
+                return (lambda: None), False
+            return Upload(upload, store.join(name), wait_s).wait, True
+        data = serialised(state) if ctx.is_main or (node_copy is not None and ctx.is_local_main) else b""
+        if node_copy is not None and ctx.is_local_main:
+            node_copy.write(name, data)
+
+        def work() -> None:  # on local disk the write itself, on object storage the upload
+            upload = store.write_later(name, lambda f: f.write(data))
+            if upload is not None:
+                upload()
+
+        if background is not None:
+            return Upload(work if ctx.is_main else (lambda: None), store.join(name), wait_s).wait, True
+        upload = store.write_later(name, (lambda f: f.write(data)) if ctx.is_main else None)
+        if upload is None:
             return (lambda: None), False
         return Upload(upload, store.join(name), wait_s).wait, True
 
@@ -84,6 +103,13 @@ class SingleFile:
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         return load_file(path)
+
+
+def serialised(state: dict[str, Any]) -> bytes:
+    """The bytes torch.save writes for `state`, taken now (the snapshot a background write writes)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 class Upload:

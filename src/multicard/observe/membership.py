@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -113,9 +114,5 @@ class Membership(Callback):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            if loop.finished and self.folder is not None:  # done: nothing for a next start to read
-                (self.folder / PROGRESS).unlink(missing_ok=True)
-                try:
-                    self.folder.rmdir()
-                except OSError:
-                    pass  # another worker's, or already gone
+            if loop.finished and self.folder is not None:  # done: nothing for a next start (or torchrun) to keep
+                shutil.rmtree(self.folder, ignore_errors=True)

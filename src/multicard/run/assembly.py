@@ -44,7 +44,7 @@ from multicard.run.session import (
     training_schedule,
     watch_for_stalls,
 )
-from multicard.runtime.environment import ProcessEnv
+from multicard.runtime.environment import ProcessEnv, parent_agent_folder
 from multicard.runtime.process_group import ProcessContext, teardown
 from multicard.runtime.stopping import POLL_EVERY, GracefulStop
 from multicard.strategy.base import Strategy
@@ -153,7 +153,9 @@ class Assembly:
     def checkpointer(self) -> Checkpointer:
         """The one owner of the run's checkpoint folder."""
         folder = self.out_dir / "checkpoints"
-        return Checkpointer(folder, self.strategy, self.cfg.checkpoint, self.facts, self.reporter.print)
+        agent = parent_agent_folder(self.env) if self.cfg.checkpoint.local_copy else None  # where the node's copies go
+        copies = agent / "checkpoints" if agent is not None else None
+        return Checkpointer(folder, self.strategy, self.cfg.checkpoint, self.facts, self.reporter.print, copies)
 
     @cached_property
     def reporter(self) -> Reporter:

@@ -119,8 +119,13 @@ class CheckpointConfig:
     # file: step-N.pt written by rank 0; sharded: step-N/ with one shard per rank (torch.distributed.checkpoint);
     # auto: sharded under fsdp, else file. Any strategy and world size reads either.
     format: str = "auto"
-    # sharded: write in the background while training goes on (costs one CPU copy of each rank's state)
+    # Write in the background while training goes on (costs one CPU copy of each rank's state, taken
+    # at the step: a file's bytes, or a rank's shard); the next save, a stop and the run's end wait for it
     async_save: bool = False
+    # Elastic jobs: each node also keeps the newest single-file checkpoints on its own disk, in its agent's
+    # folder (under the temp dir, for the job's life): after a loss, the nodes resume from their own copy
+    # when the durable write (async_save, an upload) had not finished. Needs a launcher's agent.
+    local_copy: bool = False
     # A signal to multicard's launcher: seconds the workers get to write the stop's checkpoint and
     # exit before they are killed (torch's agent alone would give 30)
     stop_timeout_s: float = 300.0
@@ -137,10 +142,10 @@ class CheckpointConfig:
     def check_under(self, strategy: str, shard_optimizer: bool) -> None:
         """checkpoint.format goes with async saving and ZeRO-1 (the strategy decides `auto`)."""
         sharded = self.format == "sharded" or (self.format == "auto" and strategy == "fsdp")
-        if self.async_save and not sharded:
+        if self.local_copy and sharded:
             raise UserError(
-                "checkpoint.async_save=true writes sharded checkpoints in the background; set "
-                "checkpoint.format=sharded (fsdp's default) or drop checkpoint.async_save"
+                "checkpoint.local_copy=true keeps single-file checkpoints on each node; sharded ones (fsdp's "
+                "default) are one shard per rank: set checkpoint.format=file or drop checkpoint.local_copy"
             )
         if shard_optimizer and self.format == "sharded":
             raise UserError(
