@@ -1,10 +1,13 @@
 """What an elastic job pays for losing a node: the step-time cost of its checkpoint cadence, and the
 steps it trains again (and the seconds it stands still) each time a node is lost.
 
-1. Cadence: the same `multicard train` job (configs/demo.yaml, one process) with a checkpoint every
-   `--every` steps against none, alternating (none, every, every, none, ...) so a drifting machine
-   favours neither; steady img/s over the step records after the first window (metrics.jsonl), whose
-   windows hold the checkpoints' time. Prints every / none (1.00 = free; the target is >= 0.97).
+1. Cadence: the same `multicard train` job (configs/demo.yaml, one process) with no step checkpoint, with
+   one every `--every` steps written in the training thread (the default), and with one every `--every`
+   steps written in the background (checkpoint.async_save=true), the cells alternated over the repeats
+   (A B C, C B A, ...) so a drifting machine favours none. Two measures: steady img/s over the step
+   records after the first window (metrics.jsonl; its windows hold the saves' time), as a ratio to no
+   checkpoint; and what a save costs the training thread (Checkpointer.save, timed in the run), over the
+   training time of the steps between two saves (`--every` × the median step, from metrics.jsonl).
 2. Losses: an elastic job of two nodes on this host (two launchers on loopback, one process each,
    `--nnodes 1:2`), a checkpoint every `--every` steps; at a random step one node is killed (SIGKILL to
    its launcher and workers), the other goes on alone. From the `membership` record of the re-formed
@@ -58,25 +61,58 @@ def steady_img_per_s(metrics: Path) -> float:
     return sum(k for k, _ in windows) / sum(k / rate for k, rate in windows)
 
 
-def cadence_run(out: Path, every: int, extra: list[str]) -> float:
-    cmd = [sys.executable, "-m", "multicard", "train", *JOB, f"checkpoint.every_steps={every}", *extra,
-           f"out_dir={out}"]  # fmt: skip
+# Runs `multicard train ARGS` in this process with Checkpointer.save timed; writes the times to argv[1].
+TIMED = """
+import json, sys, time
+from multicard.checkpoint import checkpointer
+from multicard.cli.main import main
+saves, save = [], checkpointer.Checkpointer.save
+def timed(self, *args, **kwargs):
+    began = time.perf_counter()
+    try:
+        return save(self, *args, **kwargs)
+    finally:
+        saves.append(time.perf_counter() - began)
+checkpointer.Checkpointer.save = timed
+code = main(sys.argv[2:])
+open(sys.argv[1], "w").write(json.dumps(saves))
+sys.exit(code)
+"""
+CELLS = {"none": ["checkpoint.every_steps=0"], "every": [], "background": ["checkpoint.async_save=true"]}
+
+
+def cadence_run(out: Path, cell: str, every: int, extra: list[str]) -> tuple[float, float | None]:
+    """(steady img/s, the training thread's cost of the step saves: median save over `every` median steps)."""
+    flags = CELLS[cell] or [f"checkpoint.every_steps={every}"]
+    if cell == "background":
+        flags = [*flags, f"checkpoint.every_steps={every}"]
+    cmd = [sys.executable, "-c", TIMED, str(out / "saves.json"), "train", *JOB, *flags, *extra, f"out_dir={out}"]
+    out.mkdir(parents=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"run failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
-    return steady_img_per_s(out / "metrics.jsonl")
+    metrics = out / "metrics.jsonl"
+    saves = json.loads((out / "saves.json").read_text())[:-1]  # the epoch end's is not a step save
+    step_s = statistics.median(r["step_ms"] for r in records(metrics, "step")) / 1000
+    return steady_img_per_s(metrics), (statistics.median(saves) / (every * step_s) if saves else None)
 
 
 def cadence(repeats: int, every: int, extra: list[str], tmp: Path) -> None:
-    rates: dict[int, list[float]] = {0: [], every: []}
+    rates: dict[str, list[float]] = {cell: [] for cell in CELLS}
+    costs: dict[str, list[float]] = {cell: [] for cell in CELLS}
     for i in range(repeats):
-        for cells in ((0, every) if i % 2 == 0 else (every, 0)):
-            rate = cadence_run(tmp / f"cadence-{i}-{cells}", cells, extra)
-            rates[cells].append(rate)
-            print(f"repeat {i} checkpoint.every_steps={cells:<3} {rate:8.1f} img/s", flush=True)
-    pairs = [a / b for a, b in zip(rates[every], rates[0], strict=True)]
-    print(f"cadence: a checkpoint every {every} steps / none = {statistics.median(pairs):.3f} "
-          f"[{min(pairs):.3f}-{max(pairs):.3f}] (img/s, median of {repeats} pairs)", flush=True)  # fmt: skip
+        for cell in (list(CELLS) if i % 2 == 0 else list(CELLS)[::-1]):
+            rate, cost = cadence_run(tmp / f"cadence-{i}-{cell}", cell, every, extra)
+            rates[cell].append(rate)
+            costs[cell].append(cost if cost is not None else 0.0)
+            share = f", saves {100 * cost:.2f}% of the steps' time" if cost is not None else ""
+            print(f"repeat {i} {cell:<10} {rate:8.1f} img/s{share}", flush=True)
+    for cell in ("every", "background"):
+        pairs = [a / b for a, b in zip(rates[cell], rates["none"], strict=True)]
+        print(f"cadence ({cell}): a checkpoint every {every} steps / none = {statistics.median(pairs):.3f} "
+              f"[{min(pairs):.3f}-{max(pairs):.3f}] img/s; saves take {100 * statistics.median(costs[cell]):.2f}% "
+              f"[{100 * min(costs[cell]):.2f}-{100 * max(costs[cell]):.2f}] of the training thread's step time "
+              f"({repeats} repeats)", flush=True)  # fmt: skip
 
 
 def free_port() -> int:

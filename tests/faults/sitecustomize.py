@@ -105,16 +105,17 @@ def _install() -> None:
 def _die_in_a_durable_write(step: int) -> None:
     import signal
 
-    from multicard.checkpoint import single_file
+    from multicard.base.store import LocalStore
 
-    original_init = single_file.Upload.__init__
+    original = LocalStore.write_later
     fatal = f"step-{step:09d}.pt"
 
-    def init(self, work, what, wait_s):
-        original_init(self, (lambda: os.kill(os.getpid(), signal.SIGKILL)) if what.endswith(fatal) else work, what,
-                      wait_s)  # fmt: skip
+    def write_later(self, name, write):
+        if name == fatal and write is not None:  # the durable write, after this node's own copy
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, name, write)
 
-    single_file.Upload.__init__ = init
+    LocalStore.write_later = write_later
 
 
 if FAULT == "slow-start" and ON_THIS_RANK:

@@ -8,6 +8,7 @@ Files are read with torch's weights-only unpickler: a crafted file cannot run co
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import threading
@@ -73,28 +74,31 @@ class SingleFile:
     def write(self, store: Store, name: str, state: dict[str, Any], ctx: ProcessContext, background: Any = None,
               wait_s: float = 0.0, node_copy: Store | None = None) -> tuple[Callable[[], None], bool]:  # fmt: skip
         """Rank 0 writes (every rank holds the same model): on local disk complete on return; on object
-        storage, or with `background` (checkpoint.async_save), the state is serialised at once (a snapshot:
-        training then changes the tensors) and a thread writes (uploads) and commits it while training goes
-        on. `node_copy`: every node's first process writes the same bytes there at once (node_copies.py).
-        `complete`, and whether it goes on in the background."""
-        if node_copy is None and background is None:
-            upload = store.write_later(name, (lambda f: torch.save(state, f)) if ctx.is_main else None)
-            if upload is None:  # written (every rank alike: the same store)
-                return (lambda: None), False
-            return Upload(upload, store.join(name), wait_s).wait, True
-        data = serialised(state) if ctx.is_main or (node_copy is not None and ctx.is_local_main) else b""
-        if node_copy is not None and ctx.is_local_main:
-            node_copy.write(name, data)
-
-        def work() -> None:  # on local disk the write itself, on object storage the upload
-            upload = store.write_later(name, lambda f: f.write(data))
-            if upload is not None:
-                upload()
-
+        storage the state is serialised at once (a snapshot: training then changes the tensors) and a thread
+        uploads and commits it while training goes on. With `background` (checkpoint.async_save) the
+        snapshot is a copy of the state's tensors, serialised and written by the thread. `node_copy`: every
+        node's first process writes the same bytes there too, first (node_copies.py). `complete`, and
+        whether it goes on in the background."""
+        copy_here = node_copy is not None and ctx.is_local_main
         if background is not None:
-            return Upload(work if ctx.is_main else (lambda: None), store.join(name), wait_s).wait, True
-        upload = store.write_later(name, (lambda f: f.write(data)) if ctx.is_main else None)
-        if upload is None:
+            staged = snapshot(state) if ctx.is_main or copy_here else None
+
+            def work() -> None:  # serialise, this node's copy, then the durable write (or upload) and commit
+                data = serialised(staged)
+                if copy_here:
+                    node_copy.write(name, data)
+                if ctx.is_main:
+                    upload = store.write_later(name, lambda f: f.write(data))
+                    if upload is not None:
+                        upload()
+
+            return Upload(work if staged is not None else (lambda: None), store.join(name), wait_s).wait, True
+        data = serialised(state) if copy_here else None
+        if copy_here:
+            node_copy.write(name, data)
+        save = (lambda f: f.write(data)) if data is not None else (lambda f: torch.save(state, f))
+        upload = store.write_later(name, save if ctx.is_main else None)
+        if upload is None:  # written (every rank alike: the same store)
             return (lambda: None), False
         return Upload(upload, store.join(name), wait_s).wait, True
 
@@ -103,6 +107,18 @@ class SingleFile:
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         return load_file(path)
+
+
+def snapshot(tree: Any) -> Any:
+    """`tree` with its tensors copied to the CPU, and its other values copied: what training then changes
+    leaves it as it was at the step (a background write's snapshot)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: snapshot(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(snapshot(value) for value in tree)
+    return copy.deepcopy(tree)
 
 
 def serialised(state: dict[str, Any]) -> bytes:
