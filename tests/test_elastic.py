@@ -62,6 +62,15 @@ def pytorchjob(node: int, nodes: str, program: list[str]) -> Command:
     return [sys.executable, "-m", "multicard", *program], {**PACED, **variables}
 
 
+def torchrun(node: int, nodes: str, program: list[str]) -> Command:
+    """The same under plain torchrun, with what docs/fault-tolerance.md says to export for elastic jobs."""
+    flags = ["--nnodes", nodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"{VALUES['HOST0']}:29400", "--rdzv-id", "job", "--local-addr", VALUES[f"HOST{node}"],
+             "--rdzv-conf", f"is_host={int(node == 0)},{TIMINGS}"]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", "multicard", *program]
+    return command, {**PACED, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def records(out: Path, kind: str) -> list[dict]:
     path = out / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
@@ -100,9 +109,10 @@ def shrink_and_grow(hosts: TwoHosts, program: list[str], out: Path, how=launcher
     return out0, err0
 
 
-def check_elastic_run(out: Path, console: tuple[str, str], steps: int) -> None:
+def check_elastic_run(out: Path, console: tuple[str, str], steps: int, own_launcher: bool = True) -> None:
     """Every step logged once; the job went 2 → 1 (host 1 left) → 2 (it joined), each said in one line;
-    host 0's stop for the join says that the job goes on. `console`: host 0's (stdout, stderr)."""
+    under multicard's launcher host 0's stop for the join says that the job goes on (torchrun's agent
+    does not say which stops are its own). `console`: host 0's (stdout, stderr)."""
     assert [r["step"] for r in records(out, "step")] == list(range(1, steps + 1))
     starts = records(out, "membership")
     host1 = f"{socket.gethostname()}/{VALUES['HOST1']}"  # the hosts share a name: their address tells them apart
@@ -115,8 +125,9 @@ def check_elastic_run(out: Path, console: tuple[str, str], steps: int) -> None:
     said, errors = console
     assert f"nodes changed: node {host1} left; world size 2 → 1; resumed from step {left[0]['step']}" in said
     assert f"nodes changed: node {host1} joined; world size 1 → 2" in said
-    assert f"stopped at step {joined[-1]['step']} with a checkpoint: the agent restarts the workers" in errors
-    assert "run the same command" not in errors
+    if own_launcher:
+        assert f"stopped at step {joined[-1]['step']} with a checkpoint: the agent restarts the workers" in errors
+        assert "run the same command" not in errors
 
 
 @pytest.mark.parametrize(
@@ -161,6 +172,12 @@ def test_a_host_killed_mid_epoch_leaves_and_rejoins_and_the_job_ends_as_one_proc
     program = ["train", *JOB, "checkpoint.async_save=true", "checkpoint.local_copy=true", f"out_dir={tmp_path}"]
     console = shrink_and_grow(two_hosts, program, tmp_path)
     check_elastic_run(tmp_path, console, STEPS)
+    assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
+
+
+def test_under_plain_torchrun_a_job_shrinks_and_grows_and_ends_as_one_process(two_hosts, one_process, tmp_path):
+    console = shrink_and_grow(two_hosts, ["train", *JOB, f"out_dir={tmp_path}"], tmp_path, torchrun)
+    check_elastic_run(tmp_path, console, STEPS, own_launcher=False)
     assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
 
 
