@@ -39,7 +39,7 @@ STEPS = 3 * 256 // 32
 # after its fewest nodes are in, and a job below its fewest nodes ends after 8 s.
 TIMINGS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 RENDEZVOUS = ["--rdzv-timeout", "8", "--rdzv-conf", TIMINGS]
-PACED = {**slowed(150, rank=0), "MULTICARD_FAULT_ALONE_STEPS": "3"}  # see tests/faults/sitecustomize.py
+PACED = {**slowed(100, rank=0), "MULTICARD_FAULT_ALONE_STEPS": "3"}  # see tests/faults/sitecustomize.py
 
 
 Command = tuple[list[str], dict[str, str]]  # argv and environment of a host's one command
