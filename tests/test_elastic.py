@@ -63,12 +63,14 @@ def pytorchjob(node: int, nodes: str, program: list[str]) -> Command:
 
 
 def torchrun(node: int, nodes: str, program: list[str]) -> Command:
-    """The same under plain torchrun, with what docs/fault-tolerance.md says to export for elastic jobs."""
+    """The same under plain torchrun (`multicard run SCRIPT ARGS` as `torchrun ... SCRIPT ARGS`), with what
+    docs/fault-tolerance.md says to export for elastic jobs."""
     flags = ["--nnodes", nodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"{VALUES['HOST0']}:29400", "--rdzv-id", "job", "--local-addr", VALUES[f"HOST{node}"],
              "--rdzv-conf", f"is_host={int(node == 0)},{TIMINGS}"]  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", "multicard", *program]
-    return command, {**PACED, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    what = program[1:] if program[0] == "run" else ["-m", "multicard", *program]
+    environment = {**PACED, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return [sys.executable, "-m", "torch.distributed.run", *flags, *what], environment
 
 
 def records(out: Path, kind: str) -> list[dict]:
@@ -169,15 +171,11 @@ def one_process(tmp_path_factory):
 def test_a_host_killed_mid_epoch_leaves_and_rejoins_and_the_job_ends_as_one_process(
     two_hosts, one_process, tmp_path
 ):  # fmt: skip
+    """`multicard train` as an elastic PyTorchJob runs it (its variables, no flags), with checkpoints
+    written in the background and a copy on each node."""
     program = ["train", *JOB, "checkpoint.async_save=true", "checkpoint.local_copy=true", f"out_dir={tmp_path}"]
-    console = shrink_and_grow(two_hosts, program, tmp_path)
+    console = shrink_and_grow(two_hosts, program, tmp_path, pytorchjob)
     check_elastic_run(tmp_path, console, STEPS)
-    assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
-
-
-def test_under_plain_torchrun_a_job_shrinks_and_grows_and_ends_as_one_process(two_hosts, one_process, tmp_path):
-    console = shrink_and_grow(two_hosts, ["train", *JOB, f"out_dir={tmp_path}"], tmp_path, torchrun)
-    check_elastic_run(tmp_path, console, STEPS, own_launcher=False)
     assert max_rel_diff(final_params(tmp_path), one_process) <= 1e-10
 
 
@@ -288,11 +286,11 @@ for epoch in run.epochs(4):
 """
 
 
-def test_a_user_loop_shrinks_and_grows_under_pytorchjob_variables_and_ends_as_one_process(two_hosts, tmp_path):
+def test_a_user_loop_shrinks_and_grows_under_plain_torchrun_and_ends_as_one_process(two_hosts, tmp_path):
     script = tmp_path / "speller.py"
     script.write_text(SPELLER)
     alone = start("run", str(script), str(tmp_path / "one"))  # the uninterrupted run, meanwhile
-    console = shrink_and_grow(two_hosts, ["run", str(script), str(tmp_path / "two")], tmp_path / "two", pytorchjob)
+    console = shrink_and_grow(two_hosts, ["run", str(script), str(tmp_path / "two")], tmp_path / "two", torchrun)
     assert alone.wait(timeout=60) == 0, alone.communicate()[1]
-    check_elastic_run(tmp_path / "two", console, 4 * 96 // 16)
+    check_elastic_run(tmp_path / "two", console, 4 * 96 // 16, own_launcher=False)
     assert max_rel_diff(final_params(tmp_path / "two"), final_params(tmp_path / "one")) <= 1e-10
