@@ -196,6 +196,20 @@ def test_workers_of_an_elastic_job_know_every_world_size_it_may_run_at():
     assert detect_env({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).world_sizes == [4]
 
 
+def test_folders_of_agents_that_no_longer_run_are_removed(tmp_path, monkeypatch):
+    """An agent's folder (a node's progress and copies of checkpoints) outlives a launcher killed by
+    SIGKILL; the next launcher or worker on the node removes it, and keeps those of running agents."""
+    monkeypatch.setattr(environment.tempfile, "tempdir", str(tmp_path))
+    mine = environment.agent_folder(os.getpid())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = environment.agent_folder(os.getpid()).with_name(f"multicard-agent-{dead.pid}-1")
+    for folder in (mine, gone):
+        (folder / "checkpoints").mkdir(parents=True)
+    environment.remove_stale_agent_folders()
+    assert mine.exists() and not gone.exists()
+
+
 def test_workers_key_the_agents_store_by_restart_only_where_the_agent_keeps_it():
     """torch's agent shares its store with the workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which
     multicard's launcher sets for restartable jobs): only the shared one outlives a restart."""

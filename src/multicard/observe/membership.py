@@ -21,7 +21,7 @@ from typing import Any
 
 from multicard.engine.loop import Callback, Loop, StepEnd
 from multicard.observe.telemetry import Reporter
-from multicard.runtime.environment import ProcessEnv, parent_agent_folder
+from multicard.runtime.environment import ProcessEnv, parent_agent_folder, remove_stale_agent_folders
 from multicard.runtime.process_group import ProcessContext, node_name
 
 PROGRESS = "progress"  # in the agent's folder: the last step this node's workers completed
@@ -81,6 +81,7 @@ class Membership(Callback):
             if line is not None:
                 self.reporter.print(line)
         if self.folder is not None:
+            remove_stale_agent_folders()  # under torchrun no launcher of multicard's does it
             self.folder.mkdir(mode=0o700, exist_ok=True)
             self._fd = os.open(self.folder / PROGRESS, os.O_RDWR | os.O_CREAT, 0o600)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,6 +85,15 @@ def agent_folder(agent_pid: int) -> Path | None:
     except (OSError, IndexError):
         return None
     return Path(tempfile.gettempdir()) / f"multicard-agent-{agent_pid}-{started}"
+
+
+def remove_stale_agent_folders() -> None:
+    """The folders of agents that no longer run (killed, whatever left their folder behind): they hold
+    what no worker will read again, each node's copies of checkpoints among it."""
+    for folder in Path(tempfile.gettempdir()).glob("multicard-agent-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and agent_folder(int(pid)) != folder:  # gone, or its pid taken by another process
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def parent_agent_folder(env: ProcessEnv) -> Path | None:

@@ -30,7 +30,14 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from multicard.base.config import CheckpointConfig
 from multicard.base.errors import SELF_REPORTED, STOPPED_BY_SIGNAL, ExitCode, MulticardError, NodesLost, UserError
 from multicard.base.host_memory import available_memory
-from multicard.runtime.environment import LAUNCHER_PID, LAUNCHER_STOP_S, NODE_RANGE, STOP_MARK, agent_folder
+from multicard.runtime.environment import (
+    LAUNCHER_PID,
+    LAUNCHER_STOP_S,
+    NODE_RANGE,
+    STOP_MARK,
+    agent_folder,
+    remove_stale_agent_folders,
+)
 from multicard.runtime.process_group import cpu_cores, route_addr, wait_for_master
 from multicard.runtime.stopping import STOP_SIGNALS, hand_over, quit_line
 
@@ -413,6 +420,7 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
         hint = "start node 0 with the same --master-addr/--master-port, open that port, or raise --rdzv-timeout"
         wait_for_master(addr, port, options.rdzv_timeout, hint)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # workers inherit it: they die with this process
+    remove_stale_agent_folders()
     os.environ.pop(NODE_RANGE, None)
     if options.fewest < options.nnodes:
         os.environ[NODE_RANGE] = options.nodes_text  # a script's Run checks its batch at every size
