@@ -14,6 +14,7 @@ import pickle
 import threading
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,23 +80,24 @@ class SingleFile:
         snapshot is a copy of the state's tensors, serialised and written by the thread. `node_copy`: every
         node's first process writes the same bytes there too, first (node_copies.py). `complete`, and
         whether it goes on in the background."""
-        copy_here = node_copy is not None and ctx.is_local_main
+        local = node_copy if ctx.is_local_main else None  # this node's copy, written by its first process
         if background is not None:
-            staged = snapshot(state) if ctx.is_main or copy_here else None
+            staged = snapshot(state) if ctx.is_main or local is not None else None
 
-            def work() -> None:  # serialise, this node's copy, then the durable write (or upload) and commit
+            def work(staged: dict[str, Any]) -> None:  # serialise, this node's copy, the durable write and commit
                 data = serialised(staged)
-                if copy_here:
-                    node_copy.write(name, data)
+                if local is not None:
+                    local.write(name, data)
                 if ctx.is_main:
                     upload = store.write_later(name, lambda f: f.write(data))
                     if upload is not None:
                         upload()
 
-            return Upload(work if staged is not None else (lambda: None), store.join(name), wait_s).wait, True
-        data = serialised(state) if copy_here else None
-        if copy_here:
-            node_copy.write(name, data)
+            job = partial(work, staged) if staged is not None else (lambda: None)
+            return Upload(job, store.join(name), wait_s).wait, True
+        data = serialised(state) if local is not None else None
+        if local is not None and data is not None:
+            local.write(name, data)
         save = (lambda f: f.write(data)) if data is not None else (lambda f: torch.save(state, f))
         upload = store.write_later(name, save if ctx.is_main else None)
         if upload is None:  # written (every rank alike: the same store)
