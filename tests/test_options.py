@@ -1,4 +1,4 @@
-"""Issue 36, case 1: the rules of an option are declared beside the option.
+"""The rules of an option are declared beside the option.
 
 Each config section is a dataclass whose `check` holds its own rules, and whose other `check_*`
 methods take the run's facts (strategy, GPUs, process count) as arguments; `Config.check` and
@@ -17,7 +17,7 @@ from multicard.base.errors import UserError
 RULELESS = {"model", "net"}  # model.name is checked where the model is built; net's interface where it is used
 
 
-def test_36_1_every_section_declares_its_own_check():
+def test_every_section_declares_its_own_check():
     for f in dataclasses.fields(Config):
         section = type(getattr(Config(), f.name))
         if not dataclasses.is_dataclass(section) or f.name in RULELESS:
@@ -34,12 +34,12 @@ def test_36_1_every_section_declares_its_own_check():
         (TrainConfig(label_smoothing=1.0), "train.label_smoothing=1.0 must be in [0, 1)"),
     ],
 )
-def test_36_1_a_section_alone_refuses_its_bad_values(section, message):
+def test_a_section_alone_refuses_its_bad_values(section, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         section.check()
 
 
-def test_36_1_the_rules_with_the_strategy_are_the_configs_own_with_the_facts_as_arguments():
+def test_the_rules_with_the_strategy_are_the_configs_own_with_the_facts_as_arguments():
     """What topology.resolve asks, asked of the config with the strategy, GPUs and processes given."""
     with pytest.raises(UserError, match="ddp.comm_hook=fp16 compresses DDP's all-reduce"):
         Config(ddp=DDPConfig(comm_hook="fp16")).check_run("fsdp", [], 2, 2, training=True)
