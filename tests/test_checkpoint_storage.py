@@ -1,4 +1,4 @@
-"""Issue 35, checkpoints on object storage (`checkpoint.dir=s3://…`), against a real S3-protocol server
+"""Checkpoints on object storage (`checkpoint.dir=s3://…`), against a real S3-protocol server
 on loopback (conftest.s3_server, moto's): a checkpoint exists only once its commit object, written last,
 says so; uploads go on in the background and a stop waits for them; every failure of storage is one line.
 """
@@ -88,7 +88,7 @@ def committed_on_the_server(prefix: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_35_9_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_bitwise_and_at_another_world_size(
+def test_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_bitwise_and_at_another_world_size(
         bucket, s3_env, tmp_path):  # fmt: skip
     """One process stopped by SIGTERM mid-epoch with checkpoint.dir on the server; its checkpoint resumed
     by ddp×2 (within 1e-10 of the uninterrupted run) and by one process again (bitwise)."""
@@ -175,7 +175,7 @@ def _exit_code(pid: int) -> int:
 
 
 @pytest.mark.slow
-def test_35_10_killing_the_uploader_at_random_requests_leaves_the_newest_committed_checkpoint_whole(
+def test_killing_the_uploader_at_random_requests_leaves_the_newest_committed_checkpoint_whole(
         bucket, s3_env, tmp_path):  # fmt: skip
     count = tmp_path / "requests"
     whole = f"s3://{bucket}/kill/whole"
@@ -205,7 +205,7 @@ def test_35_10_killing_the_uploader_at_random_requests_leaves_the_newest_committ
 
 
 @pytest.mark.slow
-def test_35_11_a_missing_bucket_or_an_unknown_scheme_for_checkpoint_dir_is_one_line(s3_env, waits, tmp_path, capsys):
+def test_a_missing_bucket_or_an_unknown_scheme_for_checkpoint_dir_is_one_line(s3_env, waits, tmp_path, capsys):
     assert main(["train", *TINY, "checkpoint.dir=s3://no-such-bucket/ck", f"out_dir={tmp_path / 'o'}"]) == 2
     said = "s3://no-such-bucket/ck does not exist (FileNotFoundError: The specified bucket does not exist); check"
     assert said in one_line(capsys.readouterr().err) and waits == []
@@ -224,7 +224,7 @@ def test_35_11_a_missing_bucket_or_an_unknown_scheme_for_checkpoint_dir_is_one_l
 
 
 @pytest.mark.slow
-def test_35_12_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_keeps_the_last_commit(
+def test_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_keeps_the_last_commit(
         bucket, s3_env, waits, tmp_path, monkeypatch, capsys):  # fmt: skip
     from test_object_storage import Server
 
@@ -252,7 +252,7 @@ def test_35_12_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and
 
 
 @pytest.mark.slow
-def test_35_13_eval_export_and_weights_read_committed_checkpoints_by_url(bucket, s3_env, tmp_path, capsys):
+def test_eval_export_and_weights_read_committed_checkpoints_by_url(bucket, s3_env, tmp_path, capsys):
     url = f"s3://{bucket}/readers/checkpoints"
     run_here("train", *TINY, "data.train_size=128", "data.val_size=32", f"checkpoint.dir={url}", f"out_dir={tmp_path}")
     assert main(["eval", "--checkpoint", f"{url}/last", "--json"]) == 0
@@ -274,7 +274,7 @@ def test_35_13_eval_export_and_weights_read_committed_checkpoints_by_url(bucket,
         read_checkpoint(url)
 
 
-def test_35_14_an_upload_past_stop_timeout_s_is_one_line():
+def test_an_upload_past_stop_timeout_s_is_one_line():
     """The next save, a stop and the run's end wait for the upload in progress at most checkpoint.stop_timeout_s."""
     release = threading.Event()
     upload = Upload(release.wait, "s3://b/run/step-000000006.pt", wait_s=0.05)
@@ -291,7 +291,7 @@ def test_35_14_an_upload_past_stop_timeout_s_is_one_line():
 
 
 @pytest.mark.slow
-def test_35_15_sharded_checkpoints_go_through_dcps_fsspec_storage_and_commit_last(bucket, s3_env, tmp_path):
+def test_sharded_checkpoints_go_through_dcps_fsspec_storage_and_commit_last(bucket, s3_env, tmp_path):
     url = f"s3://{bucket}/sharded/checkpoints"
     args = [*TINY, "data.train_size=64", "data.val_size=32", "checkpoint.format=sharded", "checkpoint.every_steps=1",
             "checkpoint.keep_last=1", f"checkpoint.dir={url}", f"out_dir={tmp_path}"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Issue 35, first slice: packed shards read from object storage (`data.name=shards data.root=s3://…`),
+"""Packed shards read from object storage (`data.name=shards data.root=s3://…`),
 against a real S3-protocol server on loopback (conftest.s3_server, moto's): the same training as from
 local disk, and every failure of storage one line, after bounded retries where another attempt may help.
 
@@ -100,7 +100,7 @@ class Server:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_35_1_ddp2_workers_training_from_the_s3_server_equals_training_from_local_disk(packed, uploaded, s3_server,
+def test_ddp2_workers_training_from_the_s3_server_equals_training_from_local_disk(packed, uploaded, s3_server,
                                                                                         tmp_path):  # fmt: skip
     ddp2 = ["--nproc-per-node", "2"]
     run_here("train", *ddp2, *TRAIN, f"data.root={packed}", f"out_dir={tmp_path / 'local'}")
@@ -113,7 +113,7 @@ def test_35_1_ddp2_workers_training_from_the_s3_server_equals_training_from_loca
 
 
 @pytest.mark.slow
-def test_35_2_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_env, waits, tmp_path, capsys):
+def test_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_env, waits, tmp_path, capsys):
     assert main(["train", *TRAIN, "data.root=s3://no-such-bucket/pack", f"out_dir={tmp_path}"]) == 2
     said = "s3://no-such-bucket/pack does not exist (FileNotFoundError: The specified bucket does not exist); check"
     assert said in one_line(capsys.readouterr().err)
@@ -134,7 +134,7 @@ def test_35_2_a_missing_bucket_or_pack_is_one_line_at_once(bucket, uploaded, s3_
 
 
 @pytest.mark.slow
-def test_35_3_wrong_credentials_are_one_line_at_once(uploaded, s3_env, waits, monkeypatch):
+def test_wrong_credentials_are_one_line_at_once(uploaded, s3_env, waits, monkeypatch):
     endpoint = s3_env["AWS_ENDPOINT_URL"]
 
     def authenticate(count: str) -> None:  # moto's switch: check signatures from now on ("0"), or never ("inf")
@@ -155,7 +155,7 @@ def test_35_3_wrong_credentials_are_one_line_at_once(uploaded, s3_env, waits, mo
 
 
 @pytest.mark.slow
-def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_env, waits, monkeypatch):
+def test_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_env, waits, monkeypatch):
     """The server down at the first attempt and up again during the first wait: the read succeeds.
     Down for good: one line after the bounded retries, 0.5 s, 1 s, 2 s apart."""
     server = Server()
@@ -193,7 +193,7 @@ def test_35_4_a_transient_failure_is_retried_with_backoff(uploaded, packed, s3_e
 
 
 @pytest.mark.slow
-def test_35_5_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_keeps_the_checkpoint(
+def test_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_keeps_the_checkpoint(
         uploaded, s3_server, tmp_path):  # fmt: skip
     server = Server()
     env = {**s3_environment(server.port), **slowed(200, rank=0)}
@@ -214,7 +214,7 @@ def test_35_5_the_server_stopping_mid_run_is_one_line_after_bounded_retries_and_
 
 
 @pytest.mark.slow
-def test_35_6_an_unknown_scheme_or_a_missing_package_is_one_line_naming_what_to_install(tmp_path, monkeypatch,
+def test_an_unknown_scheme_or_a_missing_package_is_one_line_naming_what_to_install(tmp_path, monkeypatch,
                                                                                          capsys):  # fmt: skip
     pytest.importorskip("fsspec")
     monkeypatch.chdir(tmp_path)
@@ -237,7 +237,7 @@ def test_35_6_an_unknown_scheme_or_a_missing_package_is_one_line_naming_what_to_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hidden"]  # no folder named after a scheme
 
 
-def test_35_7_credentials_in_a_url_are_refused_without_being_repeated():
+def test_credentials_in_a_url_are_refused_without_being_repeated():
     with pytest.raises(UserError) as refused:
         load_config(None, ["data.name=shards", "data.root=s3://AKIAEXAMPLE:hunter2@bucket/pack"])
     message = str(refused.value)
@@ -246,7 +246,7 @@ def test_35_7_credentials_in_a_url_are_refused_without_being_repeated():
 
 
 @pytest.mark.slow
-def test_35_8_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
+def test_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
     samples = read_splits(load_config(None, ["data.name=shards", f"data.root={uploaded}"]).data, 0).train.dataset
     first = samples[0][0].data
     parent = samples.store.fs()[0]
@@ -260,7 +260,7 @@ def test_35_8_a_forked_loader_process_opens_its_own_session(uploaded, s3_env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("whole", [True, False], ids=["whole-shards", "ranged"])
-def test_35_20_a_split_that_fits_is_read_in_whole_shards_once_per_process(packed, uploaded, s3_env, monkeypatch,
+def test_a_split_that_fits_is_read_in_whole_shards_once_per_process(packed, uploaded, s3_env, monkeypatch,
                                                                           whole):  # fmt: skip
     """A request costs the loader ~4 ms of CPU, and a shuffled batch holds no neighbours: a split of at most
     WHOLE_SPLIT_BYTES is read in whole shards (pieces of PIECE_BYTES), once per process; a larger one by
@@ -304,7 +304,7 @@ def _read_all(source, local) -> None:
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["whole-shards", "ranged"])
-def test_35_30_a_local_cache_serves_later_readers_without_a_request(packed, uploaded, s3_env, monkeypatch, tmp_path,
+def test_a_local_cache_serves_later_readers_without_a_request(packed, uploaded, s3_env, monkeypatch, tmp_path,
                                                                     whole):  # fmt: skip
     """data.remote_cache_gb: shards downloaded whole once on the node; a later reader (another loader process,
     a later run) reads them from local disk, with the same bytes; a split larger than WHOLE_SPLIT_BYTES is
@@ -326,7 +326,7 @@ def test_35_30_a_local_cache_serves_later_readers_without_a_request(packed, uplo
     assert later.requests == []
 
 
-def test_35_31_the_local_cache_stays_within_its_bound_least_recently_used_evicted(packed, uploaded, s3_env,
+def test_the_local_cache_stays_within_its_bound_least_recently_used_evicted(packed, uploaded, s3_env,
                                                                                    tmp_path):  # fmt: skip
     """At most data.remote_cache_gb on disk: older shards are evicted as newer ones are stored, the evicted
     read again from the URL by a later reader, the cached ones not; a shard larger than the bound is not cached."""
@@ -351,7 +351,7 @@ def test_35_31_the_local_cache_stays_within_its_bound_least_recently_used_evicte
     assert not list((tmp_path / "tiny").rglob("*.tar"))  # every shard larger than 1 byte: none cached
 
 
-def test_35_32_a_negative_remote_cache_size_is_refused():
+def test_a_negative_remote_cache_size_is_refused():
     with pytest.raises(UserError, match=r"data.remote_cache_gb=-1.0 must be >= 0"):
         load_config(None, ["data.remote_cache_gb=-1.0"])
 

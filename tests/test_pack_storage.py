@@ -1,4 +1,4 @@
-"""Issue 35: `multicard pack --out s3://…` against a real S3-protocol server on loopback (conftest.s3_server,
+"""`multicard pack --out s3://…` against a real S3-protocol server on loopback (conftest.s3_server,
 moto's): the objects are the bytes of the same pack on local disk, the index is uploaded last (the commit),
 a pack killed (-9) anywhere among its uploads is refused by readers, and the same command run again
 completes it without uploading again what is there whole.
@@ -95,7 +95,7 @@ def samples(root: str | Path) -> list[tuple[bytes, int]]:
 
 
 @pytest.mark.slow
-def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, reference, capsys, monkeypatch):
+def test_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, reference, capsys, monkeypatch):
     url = f"s3://{BUCKET}/cifar"
     uploads = recorded_uploads(monkeypatch)
     assert main(["pack", "--out", url, *DATA, "--shard-mb", str(SHARD_MB), "--workers", "1"]) == 0
@@ -116,7 +116,7 @@ def test_35_9_pack_out_s3_writes_the_bytes_of_the_local_pack_index_last(s3, refe
 
 
 @pytest.mark.slow
-def test_35_12_pack_verify_url_checks_the_objects_and_names_a_changed_shard(s3, reference, capsys):
+def test_pack_verify_url_checks_the_objects_and_names_a_changed_shard(s3, reference, capsys):
     url = f"s3://{BUCKET}/verified"
     s3.put(f"{reference}/", f"{BUCKET}/verified/", recursive=True)
     assert main(["pack", "--verify", url]) == 0
@@ -166,7 +166,7 @@ def _killed_at(url: str, point: int) -> int:
 
 
 @pytest.mark.slow
-def test_35_10_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_it(s3, reference, monkeypatch):
+def test_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_it(s3, reference, monkeypatch):
     expected = {name: hashlib.md5(data).hexdigest() for name, data in local_files(reference).items()}
     uploads = len(expected)
     points = sorted(random.Random(35).sample(range(2 * uploads), KILL_POINTS))
@@ -199,7 +199,7 @@ def test_35_10_pack_killed_at_random_uploads_is_refused_then_a_rerun_completes_i
             pack_to(url)
         assert sorted(resumed) == sorted(name for name in expected if there.get(name) != expected[name]), point
         assert md5s(s3, url) == expected  # the objects are the local pack's bytes, the index among them
-    read_splits(shards_config(url), 0)  # which a reader takes (test_35_9 reads the samples)
+    read_splits(shards_config(url), 0)  # which a reader takes (the test of pack --out s3:// above reads the samples)
 
 
 def recorded_uploads(monkeypatch) -> list[str]:
@@ -211,7 +211,7 @@ def recorded_uploads(monkeypatch) -> list[str]:
     return uploads
 
 
-def test_35_11_pack_out_a_url_of_an_unknown_scheme_a_missing_bucket_or_other_objects_is_one_line(
+def test_pack_out_a_url_of_an_unknown_scheme_a_missing_bucket_or_other_objects_is_one_line(
         s3, tmp_path, monkeypatch):  # fmt: skip
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"^--out=nosuch://b/p: nosuch:// is no storage protocol fsspec knows"):
