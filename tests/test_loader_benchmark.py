@@ -1,6 +1,6 @@
-"""Issue 37, hardening round 3: the large-image loader benchmark (benchmarks/loader_throughput.py) made
-decisive on a noisy machine: at least 5 repeats in mirrored order, a ratio floor, and --against
-another source tree timed in a process of its own. Each test is named after its case."""
+"""The large-image loader benchmark (benchmarks/loader_throughput.py), decisive on a noisy machine: at
+least 5 repeats in mirrored order, a ratio floor, and --against another source tree timed in a process
+of its own."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def jpeg_folder(root: Path) -> Path:
     return root
 
 
-def test_37_26_loader_benchmark_times_pipelines_in_mirrored_order_after_a_warm_up():
+def test_loader_benchmark_times_pipelines_in_mirrored_order_after_a_warm_up():
     calls = []
 
     def timer(who: str, kind: str):
@@ -52,7 +52,7 @@ def test_37_26_loader_benchmark_times_pipelines_in_mirrored_order_after_a_warm_u
     assert cpu["reference eval"] == [51.0, 52.0, 53.0, 54.0, 55.0] and wall["before train"][0] == 101.0
 
 
-def test_37_26_loader_benchmark_refuses_fewer_than_5_repeats(tmp_path, capsys):
+def test_loader_benchmark_refuses_fewer_than_5_repeats(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         bench.parse_args([f"--root={tmp_path}", "--repeats=3"])
     assert stop.value.code == 2
@@ -60,7 +60,7 @@ def test_37_26_loader_benchmark_refuses_fewer_than_5_repeats(tmp_path, capsys):
     assert err == "error: --repeats must be at least 5 (ratios are medians of alternating repeats)\n"
 
 
-def test_37_26_loader_benchmark_floor_names_the_kind_whose_median_ratio_is_below():
+def test_loader_benchmark_floor_names_the_kind_whose_median_ratio_is_below():
     cpu = {
         "multicard train": [150.0, 130.0, 160.0, 120.0, 145.0],  # ratios 1.5 1.3 1.6 1.2 1.45: median 1.45
         "reference train": [100.0] * 5,
@@ -72,7 +72,7 @@ def test_37_26_loader_benchmark_floor_names_the_kind_whose_median_ratio_is_below
     assert bench.below_floor(cpu, 2.1) == ["train", "eval"]
 
 
-def test_37_26_against_needs_the_src_folder_of_a_multicard_checkout(tmp_path, capsys):
+def test_against_needs_the_src_folder_of_a_multicard_checkout(tmp_path, capsys):
     args = bench.parse_args([f"--root={tmp_path}"])
     with pytest.raises(SystemExit) as stop:
         bench.OtherTree(tmp_path, args)
@@ -81,7 +81,7 @@ def test_37_26_against_needs_the_src_folder_of_a_multicard_checkout(tmp_path, ca
     assert err.startswith(f"error: --against {tmp_path}: no multicard package there") and err.count("\n") == 1
 
 
-def test_37_26_against_process_answers_each_timing_request_in_one_json_line(tmp_path, monkeypatch):
+def test_against_process_answers_each_timing_request_in_one_json_line(tmp_path, monkeypatch):
     """The --serve end of --against, in process: it says which multicard it imported, then times
     the loader each request names, until `stop`."""
     args = bench.parse_args(["--serve", f"--root={jpeg_folder(tmp_path / 'photos')}", "--batch=2"])
