@@ -20,8 +20,10 @@ from pathlib import Path
 # Waiting passively costs a run alone about 5%. Set before torch loads OpenMP; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 # The installed `multicard` command, beside this interpreter: what users run (pyproject's console script).
@@ -222,6 +224,39 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     floats = [k for k in b if b[k].is_floating_point()]
     assert all(torch.equal(a[k], b[k]) for k in b if k not in floats)  # counters such as num_batches_tracked
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in floats)
+
+
+def one_line(err: str) -> str:
+    """stderr holds exactly one line and no traceback; that line."""
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    return err.strip()
+
+
+def image_folder(root: Path, classes: list[str], per_class: int = 8) -> Path:
+    """root/<class>/<n>.png: `per_class` 8×8 images of one grey level each, for every class named."""
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(np.full((8, 8, 3), 10 * c + i, dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+@contextlib.contextmanager
+def unwritable(folder: Path):
+    """`folder` refuses new files while inside, even to root (immutable: chattr +i), else by its mode."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here (root ignores permission bits)")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
 
 
 # ------------------------------------------------------------------ processes
