@@ -41,6 +41,9 @@ TINY = [
     "log_every=4",
 ]
 
+# A few hundred steps of a tiny model: seconds long, long enough to act while it runs.
+RUNNING = [*TINY, "data.train_size=8192", "train.epochs=3", "checkpoint.every_steps=5", "data.val_size=64"]
+
 # Learnable in tens of seconds on 2 CPU cores: reaches >90% validation top-1.
 LEARN = [
     "model.name=smallcnn",

@@ -13,16 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import TINY, cli, load_checkpoint
+from conftest import TINY, cli, load_checkpoint, one_line
+from multicard.base.errors import UserError
 from multicard.checkpoint import load_file
 from multicard.cli.main import main
+from multicard.runtime.environment import LAUNCHER_PID
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def one_line(err: str) -> str:
-    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
-    return err
 
 
 def test_wrong_data_path(tmp_path, capsys):
@@ -38,7 +35,7 @@ def test_checkpoint_of_another_model(tmp_path, capsys):
     assert main(["eval", "--checkpoint", ckpt, "model.name=resnet18_cifar"]) == 2
     assert "does not fit this model" in one_line(capsys.readouterr().err)
     assert main(["train", *TINY, "model.name=resnet18_cifar", f"train.resume={ckpt}", f"out_dir={tmp_path}/b"]) == 2
-    assert "other settings (model.name: smallcnn → resnet18_cifar)" in one_line(capsys.readouterr().err)  # issue 27
+    assert "other settings (model.name: smallcnn → resnet18_cifar)" in one_line(capsys.readouterr().err)
 
 
 def test_disk_full_while_saving_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
@@ -71,6 +68,25 @@ def test_port_in_use(tmp_path, capsys):
         code = main(["train", "--nproc-per-node", "2", "--master-port", str(port), *TINY, f"out_dir={tmp_path}"])
     assert code == 2
     assert f"--master-port {port} is in use" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.distributed
+def test_a_taken_rendezvous_port_is_never_a_strangers_store(monkeypatch):
+    """One node hosts its own rendezvous store: a free port another process took meanwhile is
+    tried again with another (never joined: torch's agent would use the stranger's store, and
+    the job would die with it); one that stays taken is one line (here: the same port each try)."""
+    from multicard.runtime import launch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        tries = []
+        monkeypatch.setattr(launch, "free_port", lambda: tries.append(1) or taken.getsockname()[1])
+        for variable in (LAUNCHER_PID, "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+            monkeypatch.delenv(variable, raising=False)  # launch_workers sets them for its workers
+        with pytest.raises(UserError, match="this node cannot host its store there"):
+            launch.launch_workers(launch.LaunchOptions(nproc_per_node=2), ["train"])
+    assert len(tries) == 3
 
 
 class NanAfter(torch.nn.Module):

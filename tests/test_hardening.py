@@ -19,6 +19,7 @@ from PIL import Image
 
 from conftest import (
     ROOT,
+    RUNNING,
     TINY,
     alive,
     cli,
@@ -34,10 +35,6 @@ from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in, load_file
 from multicard.cli.main import main, parse
 from multicard.data import read_splits
-from multicard.runtime.stopping import GracefulStop
-
-# A few hundred steps of a tiny model: seconds long, long enough to act while it runs.
-RUNNING = [*TINY, "data.train_size=8192", "train.epochs=3", "checkpoint.every_steps=5", "data.val_size=64"]
 
 
 def one_line(err: str) -> str:
@@ -210,37 +207,6 @@ def test_9_config_yaml_that_cannot_be_written_is_one_line(tmp_path, capsys):
     (tmp_path / "config.yaml").mkdir()  # renaming over it fails, as a full disk would
     assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}"]) == 2
     assert "cannot write" in one_line(capsys.readouterr().err)
-
-
-def test_10_a_second_ctrl_c_while_stopping_quits_at_once(monkeypatch, capsys):
-    """The handler's decision, in this process: the first Ctrl-C asks for a stop, the second
-    quits at once (os._exit, so no exception can surface in whatever was running)."""
-    exits = []
-    monkeypatch.setattr(os, "_exit", exits.append)
-    stop = GracefulStop(lambda value: lambda: value)
-    stop._handle(signal.SIGINT, None)
-    assert stop.poll() == 0 and stop.poll() == signal.SIGINT and not exits  # agreed one poll later
-    assert "Ctrl-C again to quit at once" in capsys.readouterr().out
-    stop._handle(signal.SIGINT, None)
-    assert exits == [130]
-    quit_line = "multicard: quit by SIGINT without a checkpoint; the last checkpoint written stays"
-    assert capsys.readouterr().err.strip() == quit_line
-
-
-@pytest.mark.slow
-def test_10_ctrl_c_twice_ends_in_one_line_and_earlier_checkpoints_survive(tmp_path):
-    proc = start("train", *RUNNING, f"out_dir={tmp_path}")
-    wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
-    os.kill(proc.pid, signal.SIGINT)
-    for line in proc.stdout:  # the run acknowledges the first Ctrl-C before the second is sent
-        if "Ctrl-C again to quit at once" in line:
-            break
-    os.kill(proc.pid, signal.SIGINT)  # lands while stopping or after the stop checkpoint: either is fine
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    said = one_line(err)
-    assert re.fullmatch(r"multicard: (quit by SIGINT without a checkpoint|stopped by SIGINT at step \d+).*", said)
-    assert all(load_file(p)["step"] > 0 for p in checkpoints_in(tmp_path / "checkpoints"))
 
 
 BAD_VALUES = [

@@ -1,14 +1,13 @@
-"""Signals to multicard's launcher (issue 27, cases 5 and 13), with real processes and signals:
-a stop that needs longer than torch's agent would give it still writes its checkpoint and
-resumes exactly; one line says what happened, also before training started, when a stop runs
-out of time, and when a second Ctrl-C quits at once."""
+"""Stop signals and Ctrl-C. To multicard's launcher, with real processes and signals: a stop that needs
+longer than torch's agent would give it still writes its checkpoint and resumes exactly; one line says
+what happened, also before training started, when a stop runs out of time, and when a second Ctrl-C
+quits at once. In one process: the first Ctrl-C asks for a stop, the second quits at once."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 
@@ -16,22 +15,20 @@ import pytest
 
 from conftest import (
     FAULTS,
+    RUNNING,
     TINY,
     assert_bitwise_equal,
     cli,
     descendants,
     final_params,
     load_checkpoint,
+    one_line,
     parents,
     start,
     wait_for,
 )
-from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in, load_file
-from multicard.runtime.environment import LAUNCHER_PID
 from multicard.runtime.stopping import BeforeTraining, GracefulStop, StoppedBeforeTraining
-
-pytestmark = pytest.mark.distributed
 
 DDP2 = ("--nproc-per-node", "2")
 # As tests/test_resume.py: two epochs of 32 steps at a constant LR, checkpoints every 5 steps.
@@ -40,12 +37,6 @@ STEPS = 2 * 1024 // 32
 TORCH_AGENT_WAIT_S = 30  # what torch's elastic agent alone gives workers to stop before it kills them
 # A stop that needs longer than that (asleep: wall time, not CPU); MULTICARD_SLOW_STOP_S=60 tries a longer one.
 SLOW_STOP_S = float(os.environ.get("MULTICARD_SLOW_STOP_S", TORCH_AGENT_WAIT_S + 5))
-
-
-def one_line(err: str) -> str:
-    """stderr holds exactly one line and no traceback; that line."""
-    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
-    return err.strip()
 
 
 def faulty(kind: str, mark, rank: int, **values: float) -> dict[str, str]:
@@ -80,7 +71,8 @@ def signalled_after_first_checkpoint(tmp_path, sig, env, *extra: str) -> tuple[s
 
 
 @pytest.mark.slow
-def test_5_a_stop_longer_than_torchs_agent_allows_writes_its_checkpoint_and_resumes_exactly(tmp_path):
+@pytest.mark.distributed
+def test_a_stop_longer_than_torchs_agent_allows_writes_its_checkpoint_and_resumes_exactly(tmp_path):
     mark = tmp_path / "stop-began"
     proc, workers = signalled_after_first_checkpoint(tmp_path, signal.SIGTERM, slow_stop(mark, SLOW_STOP_S))
     reference = start("train", *DDP2, *EXACT, f"out_dir={tmp_path / 'reference'}")  # uninterrupted, while it sleeps
@@ -101,7 +93,8 @@ def test_5_a_stop_longer_than_torchs_agent_allows_writes_its_checkpoint_and_resu
     assert_bitwise_equal(final_params(out), final_params(tmp_path / "reference"))
 
 
-def test_5_a_stop_past_checkpoint_stop_timeout_s_is_killed_and_says_so(tmp_path):
+@pytest.mark.distributed
+def test_a_stop_past_checkpoint_stop_timeout_s_is_killed_and_says_so(tmp_path):
     env = slow_stop(tmp_path / "stop-began", 600)
     proc, workers = signalled_after_first_checkpoint(tmp_path, signal.SIGTERM, env, "checkpoint.stop_timeout_s=3")
     sent = time.monotonic()
@@ -117,7 +110,8 @@ def test_5_a_stop_past_checkpoint_stop_timeout_s_is_killed_and_says_so(tmp_path)
     assert steps and all(step % 5 == 0 for step in steps)  # the cadence's checkpoints only: none at the stop
 
 
-def test_13_sigterm_before_training_started_says_nothing_was_saved(tmp_path):
+@pytest.mark.distributed
+def test_sigterm_before_training_started_says_nothing_was_saved(tmp_path):
     mark = tmp_path / "starting"
     env = faulty("slow-start", mark, rank=1, ms=600_000)  # rank 1 sleeps before it imports anything
     proc = start("train", *DDP2, *TINY, f"out_dir={tmp_path / 'out'}", env=env)
@@ -130,7 +124,8 @@ def test_13_sigterm_before_training_started_says_nothing_was_saved(tmp_path):
     assert not checkpoints_in(tmp_path / "out" / "checkpoints") and not workers & set(parents())
 
 
-def test_13_a_second_sigint_to_the_launcher_quits_at_once_in_one_line(tmp_path):
+@pytest.mark.distributed
+def test_a_second_sigint_to_the_launcher_quits_at_once_in_one_line(tmp_path):
     mark = tmp_path / "stop-began"
     proc, workers = signalled_after_first_checkpoint(tmp_path, signal.SIGINT, slow_stop(mark, 600))
     wait_for(mark.exists, what="the stop's checkpoint begun")
@@ -143,26 +138,8 @@ def test_13_a_second_sigint_to_the_launcher_quits_at_once_in_one_line(tmp_path):
     assert "Ctrl-C again to quit at once" in out and not workers & set(parents())
 
 
-def test_a_taken_rendezvous_port_is_never_a_strangers_store(monkeypatch):
-    """One node hosts its own rendezvous store: a free port another process took meanwhile is
-    tried again with another (never joined: torch's agent would use the stranger's store, and
-    the job would die with it); one that stays taken is one line (here: the same port each try)."""
-    from multicard.runtime import launch
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        tries = []
-        monkeypatch.setattr(launch, "free_port", lambda: tries.append(1) or taken.getsockname()[1])
-        for variable in (LAUNCHER_PID, "TORCHELASTIC_SIGNALS_TO_HANDLE"):
-            monkeypatch.delenv(variable, raising=False)  # launch_workers sets them for its workers
-        with pytest.raises(UserError, match="this node cannot host its store there"):
-            launch.launch_workers(launch.LaunchOptions(nproc_per_node=2), ["train"])
-    assert len(tries) == 3
-
-
-
-def test_13_a_stop_signal_in_start_up_ends_in_one_line_and_says_when():
+@pytest.mark.distributed
+def test_a_stop_signal_in_start_up_ends_in_one_line_and_says_when():
     """Before a GracefulStop (or the launcher's relay) takes the signals, SIGTERM ends the command
     with its own line; after training handed them back, the line says training had ended."""
     previous = signal.getsignal(signal.SIGTERM)
@@ -175,3 +152,34 @@ def test_13_a_stop_signal_in_start_up_ends_in_one_line_and_says_when():
             pass  # training ran and handed the signals back
         os.kill(os.getpid(), signal.SIGHUP)
     assert str(late.value) == "stopped by SIGHUP after training ended; its checkpoints are written"
+
+
+def test_a_second_ctrl_c_while_stopping_quits_at_once(monkeypatch, capsys):
+    """The handler's decision, in this process: the first Ctrl-C asks for a stop, the second
+    quits at once (os._exit, so no exception can surface in whatever was running)."""
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = GracefulStop(lambda value: lambda: value)
+    stop._handle(signal.SIGINT, None)
+    assert stop.poll() == 0 and stop.poll() == signal.SIGINT and not exits  # agreed one poll later
+    assert "Ctrl-C again to quit at once" in capsys.readouterr().out
+    stop._handle(signal.SIGINT, None)
+    assert exits == [130]
+    quit_line = "multicard: quit by SIGINT without a checkpoint; the last checkpoint written stays"
+    assert capsys.readouterr().err.strip() == quit_line
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_ends_in_one_line_and_earlier_checkpoints_survive(tmp_path):
+    proc = start("train", *RUNNING, f"out_dir={tmp_path}")
+    wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+    os.kill(proc.pid, signal.SIGINT)
+    for line in proc.stdout:  # the run acknowledges the first Ctrl-C before the second is sent
+        if "Ctrl-C again to quit at once" in line:
+            break
+    os.kill(proc.pid, signal.SIGINT)  # lands while stopping or after the stop checkpoint: either is fine
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    said = one_line(err)
+    assert re.fullmatch(r"multicard: (quit by SIGINT without a checkpoint|stopped by SIGINT at step \d+).*", said)
+    assert all(load_file(p)["step"] > 0 for p in checkpoints_in(tmp_path / "checkpoints"))
