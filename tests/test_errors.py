@@ -1,10 +1,15 @@
-"""Bad inputs from docs/errors.md not covered elsewhere: one line, documented exit code, and
-nothing lost (the last good checkpoint stays loadable)."""
+"""Errors: bad inputs from docs/errors.md not covered elsewhere, and ranks that fail (killed, stopped,
+raising, entering a collective alone) — one line, a documented exit code, nothing lost (the last good
+checkpoint stays loadable); and the catalogue itself: each row names a test that exists, each message
+it quotes is still said by the code."""
 
 from __future__ import annotations
 
+import ast
 import errno
+import os
 import re
+import signal
 import socket
 from pathlib import Path
 
@@ -13,9 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import TINY, cli, load_checkpoint, one_line
+from conftest import RUNNING, TINY, cli, load_checkpoint, one_line, start, wait_for, worker_pid
 from multicard.base.errors import UserError
-from multicard.checkpoint import load_file
+from multicard.checkpoint import checkpoints_in, load_file
 from multicard.cli.main import main
 from multicard.runtime.environment import LAUNCHER_PID
 
@@ -145,6 +150,42 @@ def test_exception_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
     assert re.search(r"multicard: error \(rank [01]\): cannot decode image .*013\.png", line)
 
 
+@pytest.mark.distributed
+def test_a_killed_worker_is_named_in_one_line_with_code_137(tmp_path):
+    launcher = start("train", "--nproc-per-node", "2", *RUNNING, f"out_dir={tmp_path}")
+    wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+    os.kill(worker_pid(launcher.pid, 1), signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 137
+    assert one_line(err) == "multicard: error: rank 1 was killed by SIGKILL (signal 9: out of memory?); exit code 137"
+
+
+@pytest.mark.distributed
+def test_a_collective_timeout_is_one_line_with_code_5(tmp_path):
+    """Two ranks as torchrun would start them; rank 1 is stopped (SIGSTOP), so rank 0's next
+    gradient all-reduce waits past dist_timeout_s: one line, exit 5, no traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [
+        start("train", *RUNNING, "dist_timeout_s=5", f"out_dir={tmp_path}", env={
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        })  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        _, err = ranks[0].communicate(timeout=60)
+        assert ranks[0].returncode == 5, err
+        assert "(rank 0): a collective waited longer than dist_timeout_s for another rank" in one_line(err)
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+
+
 # A script's own loop (multicard.Run, 2 processes) in which only rank 0 enters a collective.
 ONE_RANK_COLLECTIVE = """
 import sys
@@ -185,3 +226,46 @@ def test_every_row_of_the_catalogue_names_an_existing_test():
     for row in rows:
         path, name = re.search(r"`(tests/[\w/]+\.py)::(\w+)`", row).groups()
         assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), row
+
+
+def _source_text() -> str:
+    """Every string literal of the package, f-string holes as NUL, concatenated pieces joined."""
+    texts = []
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                texts.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append(node.value)
+    return "\n".join(texts)
+
+
+# What the catalogue writes where the code fills in a value: example values after '=', numbers,
+# capitalised placeholders (X, N, HOST), exception names, quoted names, dotted config keys, paths,
+# the ellipsis, and reasons in parentheses (ours wrap what the OS or a library said).
+EXAMPLE = re.compile(
+    r"--[\w-]+(?: [^\s;,()]+)?|=[^\s;,)]+|\b[A-Z][A-Z_0-9]*\b|\b\w*Error\b|\d+(?:\.\d+)?|…|'[^']*'"
+    r"|\b[a-z_]+(?:\.[a-z_]+)+\b|\S*/\S*|\([^)]*\)"
+)
+
+
+# Library words inside our line: argparse's, omegaconf's reasons for a value of the wrong type, and
+# Python's for arguments a function does not take.
+EXTERNAL = ("unrecognized arguments", "could not be converted", "is not a valid bool", "got an unexpected keyword")
+
+
+def test_every_message_in_the_catalogue_is_still_produced_by_the_code():
+    """Each quoted message's fixed parts are in the code's strings: docs/errors.md cannot drift."""
+    source = _source_text()
+    rows = [line for line in (ROOT / "docs" / "errors.md").read_text().splitlines() if line.startswith("| ")]
+    checked = 0
+    for row in rows:
+        message_column = row.split(" | ")[1]
+        for quoted in re.findall(r"`([^`]+)`", message_column):
+            message = re.sub(r"^multicard: (error[^:]*: )?", "", quoted)
+            for fragment in EXAMPLE.split(message):
+                fragment = fragment.strip(" ;,.:()[]")
+                if len(fragment) >= 12 and not fragment.startswith(EXTERNAL):
+                    assert fragment in source, f"docs/errors.md quotes {fragment!r}, which the code no longer says"
+                    checked += 1
+    assert checked >= 40
