@@ -100,25 +100,6 @@ def test_3_a_second_run_on_one_out_dir_is_refused_and_a_stale_lock_taken_over(tm
 # ------------------------------------------------------------------ left-behind processes and hangs
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("phase", ["start-up", "training"])
-def test_4_workers_die_with_a_killed_launcher(tmp_path, phase):
-    launcher = start("train", "--nproc-per-node", "2", *RUNNING, f"out_dir={tmp_path}")
-    try:
-        if phase == "start-up":  # both workers exist, neither has trained a step
-            wait_for(lambda: worker_pid(launcher.pid, 1) is not None and worker_pid(launcher.pid, 0) is not None)
-            assert not (tmp_path / "metrics.jsonl").exists()
-        else:
-            wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
-        workers = descendants(launcher.pid)
-        assert workers
-        launcher.kill()
-        launcher.wait()
-        wait_for(lambda: not alive(workers), timeout=10, what="the workers to end within 10 s")
-    finally:
-        launcher.kill()
-
-
 def test_5_more_cpu_processes_than_cores_is_refused_unless_asked(tmp_path, capsys):
     assert main(["train", "--nproc-per-node", "64", *TINY, "train.global_batch_size=64", f"out_dir={tmp_path}"]) == 2
     err = one_line(capsys.readouterr().err)

@@ -1,10 +1,10 @@
 """How a multicard process ends, and what it leaves running once it has ended: nothing. Processes
 a script or a worker starts end with the command (also those started in the background, whose
-parent ended first), a process forked under multicard's stop handlers ends on a plain `kill`, and a
-worker whose launcher was killed ends even where its script ignores SIGTERM. A script under
-`multicard run` (in one process, or in each worker) runs as under `python SCRIPT` and ends with
-its exit code, traceback and exit handlers, but without the interpreter's teardown, where torch's
-gloo threads can abort a finished process. Real processes and signals."""
+parent ended first), a process forked under multicard's stop handlers ends on a plain `kill`, and
+the workers of a killed launcher end, in start-up or training, even where their script ignores
+SIGTERM. A script under `multicard run` (in one process, or in each worker) runs as under `python
+SCRIPT` and ends with its exit code, traceback and exit handlers, but without the interpreter's
+teardown, where torch's gloo threads can abort a finished process. Real processes and signals."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MULTICARD, alive, clean_env, cli, start, wait_for
+from conftest import MULTICARD, RUNNING, alive, clean_env, cli, descendants, start, wait_for, worker_pid
+from multicard.checkpoint import checkpoints_in
 from multicard.runtime.stopping import BeforeTraining, GracefulStop
 
 # Starts two processes that would run for ten minutes: one it leaves running, one in the
@@ -119,6 +120,25 @@ def test_workers_of_a_killed_launcher_end_though_their_script_ignores_sigterm(tm
     lines = set(err.splitlines())
     assert gone.format(0) + "ignores SIGTERM" + ending in lines, err
     assert gone.format(1) + "did not stop within 1 s of its SIGTERM" + ending in lines, err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", ["start-up", "training"])
+def test_workers_die_with_a_killed_launcher(tmp_path, phase):
+    launcher = start("train", "--nproc-per-node", "2", *RUNNING, f"out_dir={tmp_path}")
+    try:
+        if phase == "start-up":  # both workers exist, neither has trained a step
+            wait_for(lambda: worker_pid(launcher.pid, 1) is not None and worker_pid(launcher.pid, 0) is not None)
+            assert not (tmp_path / "metrics.jsonl").exists()
+        else:
+            wait_for(lambda: bool(checkpoints_in(tmp_path / "checkpoints")), what="the first checkpoint")
+        workers = descendants(launcher.pid)
+        assert workers
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not alive(workers), timeout=10, what="the workers to end within 10 s")
+    finally:
+        launcher.kill()
 
 
 # Leaves a thread issuing gloo all_reduces it never waits for, in a process group DDP keeps to the
