@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY, cli
+from conftest import TINY, cli, one_line
 from multicard.cli.main import main
 
 BAD_OVERRIDES = [
@@ -26,6 +26,27 @@ def test_bad_config_in_process(overrides, fragment, tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+BAD_VALUES = [
+    (["data.image_size=1"], "data.image_size=1 must be in [8, 4096]"),
+    (["data.image_size=1000000"], "data.image_size=1000000 must be in [8, 4096]"),
+    (["model.name=vit_b_16"], "model.name=vit_b_16 cannot take 16×16 images"),
+    (["model.name=inception_v3"], "model.name=inception_v3 cannot take 16×16 images"),
+    (["optim.momentum=-1"], "optim.momentum=-1.0 must be in [0, 1)"),
+    (["optim.betas=[2,3]"], "optim.betas[0]=2.0 must be in [0, 1)"),
+    (["seed=-1"], "seed=-1 must be >= 0"),
+    (["model.kwargs.width=-1"], "model.name=smallcnn rejected model.kwargs={'width': -1}"),
+    (["train.epochs=${oc.env:MULTICARD_UNSET}"], "Environment variable 'MULTICARD_UNSET' not found"),
+    (["threads=100000"], "threads=100000 must be in [0, 256]"),
+    (["optim.lr=nan"], "optim.lr=nan must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_VALUES, ids=[o[0] for o, _ in BAD_VALUES])
+def test_values_torch_rejects_are_one_line(tmp_path, capsys, overrides, message):
+    assert main(["train", *TINY, f"out_dir={tmp_path}", *overrides]) == 2
+    assert message in one_line(capsys.readouterr().err)
+
+
 def test_launcher_checks_divisibility_by_processes_before_starting(tmp_path, capsys):
     code = main(["train", "--nproc-per-node", "2", *TINY, "train.global_batch_size=33", f"out_dir={tmp_path}"])
     err = capsys.readouterr().err
@@ -35,6 +56,12 @@ def test_launcher_checks_divisibility_by_processes_before_starting(tmp_path, cap
 def test_nproc_with_single_strategy_is_refused(tmp_path, capsys):
     assert main(["train", "--nproc-per-node", "2", *TINY, "strategy=single", f"out_dir={tmp_path}"]) == 2
     assert "use strategy=ddp" in capsys.readouterr().err
+
+
+def test_more_cpu_processes_than_cores_is_refused_unless_asked(tmp_path, capsys):
+    assert main(["train", "--nproc-per-node", "64", *TINY, "train.global_batch_size=64", f"out_dir={tmp_path}"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "--nproc-per-node 64 starts more CPU processes than the" in err and "--oversubscribe" in err
 
 
 def test_unknown_flag_is_one_line(capsys):
