@@ -4,6 +4,7 @@ import pytest
 
 from multicard.base.config import load_config, parse_devices
 from multicard.base.errors import UserError
+from multicard.cli.main import parse
 
 
 def test_defaults_are_valid_and_read_only():
@@ -22,6 +23,11 @@ def test_cli_overrides_beat_yaml_which_beats_defaults(tmp_path):
     assert cfg.optim.lr == 0.5
     assert cfg.optim.momentum == 0.9  # default kept
     assert list(cfg.devices) == [0, 1]
+
+
+def test_overrides_between_flags_are_accepted():
+    args = parse(["train", "--config", "f.yaml", "--nproc-per-node", "2", "out_dir=X", "--max-restarts", "1", "a=b"])
+    assert args.overrides == ["out_dir=X", "a=b"] and args.nproc_per_node == 2 and args.max_restarts == 1
 
 
 @pytest.mark.parametrize(
@@ -64,6 +70,17 @@ def test_missing_or_broken_config_file(tmp_path):
         load_config(str(bad))
 
 
+def test_home_directory_config_dir_and_yaml_line_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config(None, ["out_dir=~/runs/x"]).out_dir == f"{tmp_path}/runs/x"
+    with pytest.raises(UserError, match=r"--config .* is a directory; pass a YAML file"):
+        load_config(str(tmp_path))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: 3\n   bad: [1,\n")
+    with pytest.raises(UserError, match=r"bad config file .*bad.yaml: line 3, column 7: mapping values are not"):
+        load_config(str(bad))
+
+
 def test_parse_devices():
     assert parse_devices("cpu") is None
     assert parse_devices("auto") == []
@@ -72,7 +89,7 @@ def test_parse_devices():
 
 
 def test_a_url_for_a_path_is_one_line_and_makes_no_local_folder(tmp_path, monkeypatch, capsys):
-    """s3://bucket/x as out_dir, data.root or verify --keep was a folder named `s3:` here (issue 35); a
+    """s3://bucket/x as out_dir, data.root or verify --keep was a folder named `s3:` here; a
     pack's data.root may be a URL, and checkpoint.dir, train.resume, model.weights, eval --checkpoint,
     export and pack --out (tests/test_object_storage.py, test_checkpoint_storage.py, test_pack_storage.py)."""
     from multicard.cli.main import main
