@@ -1,9 +1,19 @@
+"""Checkpoints: written atomically, damaged or foreign files refused in one line, a checkpoint of
+another model named by the tensors that differ, crafted pickles never run, weights loaded into a new run."""
+
+import os
+import pickle
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+from conftest import TINY, cli, one_line
 from multicard.base.atomic import save_atomic
 from multicard.base.errors import UserError
 from multicard.checkpoint import check_model_fits, load_file
+from multicard.cli.main import main
 from multicard.runtime.process_group import ProcessContext
 from multicard.strategy.base import ModelSetup, Strategy
 from multicard.strategy.precision import Precision
@@ -43,6 +53,15 @@ def test_state_of_another_model_is_refused():
         check_model_fits({"weight": torch.zeros(5, 5)}, torch.nn.Linear(3, 2), "x.pt")
 
 
+def test_a_checkpoint_of_another_model_says_which_tensors_differ(tmp_path, capsys):
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    ckpt = str(tmp_path / "checkpoints" / "last.pt")
+    assert main(["eval", "--checkpoint", ckpt, "model.kwargs.width=16"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert re.search(r"shape\(s\) differ, e\.g\. 0\.0\.weight \[32, 3, 3, 3\] vs \[16, 3, 3, 3\]", err), err
+
+
 def test_a_setting_added_since_the_checkpoint_differs_only_when_not_the_default():
     from multicard.base.config import Config, to_dict
     from multicard.checkpoint.compat import changed_settings
@@ -72,3 +91,55 @@ def test_a_whole_copy_of_the_model_state_copies_its_tensors_and_keeps_its_extra_
     whole = Strategy(ctx, Precision("fp32", "cpu"), ModelSetup()).whole_model_state(model)
     assert whole["_extra_state"] == {"vocab": 3}
     assert torch.equal(whole["weight"], model.weight) and whole["weight"].data_ptr() != model.weight.data_ptr()
+
+
+class Payload:
+    """Unpickling this creates a file: what a crafted checkpoint could do with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_crafted_checkpoint_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {"w": Payload(marker)}, "config": {}}, evil)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(evil, weights_only=True)  # the file really is hostile
+    attempts = [
+        ["eval", "--checkpoint", str(evil)],
+        ["train", *TINY, f"train.resume={evil}", f"out_dir={tmp_path / 'o'}"],
+        ["train", *TINY, f"model.weights={evil}", f"out_dir={tmp_path / 'w'}"],
+        ["export", "--checkpoint", str(evil), "--out", str(tmp_path / "exported.pt")],
+    ]
+    for argv in attempts:
+        assert main(argv) == 2, argv
+        assert "was not loaded" in one_line(capsys.readouterr().err)
+    assert not marker.exists()
+
+
+class Getcwd:
+    """Unpickling it would call os.getcwd: the weights-only unpickler must refuse it."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+@pytest.mark.slow
+def test_crafted_weights_are_refused_in_one_line_without_torchs_warning(tmp_path):
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"w": Getcwd()}, protocol=4))  # torch warns of protocols above 2
+    done = cli("train", *TINY, f"model.weights={evil}", f"out_dir={tmp_path / 'run'}")
+    assert done.returncode == 2
+    assert "was not loaded" in one_line(done.stderr)  # the whole of stderr: torch's warning is not there
+
+
+def test_fine_tuning_from_weights_in_a_new_out_dir(tmp_path, capsys):
+    assert main(["train", *TINY, "train.max_steps=2", f"out_dir={tmp_path / 'a'}"]) == 0
+    last = tmp_path / "a" / "checkpoints" / "last.pt"
+    args = ["train", *TINY, "train.max_steps=2", "optim.lr=0.01", f"model.weights={last}", f"out_dir={tmp_path / 'b'}"]
+    assert main(args) == 0
+    assert re.search(rf"loaded (\d+) of \1 tensors from {re.escape(str(last))}", capsys.readouterr().out)

@@ -193,22 +193,6 @@ def test_27_16_num_classes_in_model_kwargs_says_it_comes_from_the_data(tmp_path,
     assert "remove it from model.kwargs" in line and "<locals>" not in line
 
 
-class _Payload:
-    """Unpickling it would call os.getcwd: the weights-only unpickler must refuse it."""
-
-    def __reduce__(self):
-        return (os.getcwd, ())
-
-
-@pytest.mark.slow
-def test_27_16_crafted_weights_are_refused_in_one_line_without_torchs_warning(tmp_path):
-    evil = tmp_path / "evil.pt"
-    evil.write_bytes(pickle.dumps({"w": _Payload()}, protocol=4))  # torch warns of protocols above 2
-    done = cli("train", *TINY, f"model.weights={evil}", f"out_dir={tmp_path / 'run'}")
-    assert done.returncode == 2
-    assert "was not loaded" in one_line(done.stderr)  # the whole of stderr: torch's warning is not there
-
-
 # ------------------------------------------------------------------ case 17
 
 
