@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +13,15 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import image_folder, one_line
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.data import build_data as build_loaders
+from multicard.data import loader_processes
 from multicard.data import read_splits as read_sources
 from multicard.data.decoding import decode
 from multicard.data.loading.sampling import BatchSplit
-from multicard.runtime.process_group import ProcessContext
+from multicard.runtime.process_group import ProcessContext, cpu_cores
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
 CPU = torch.device("cpu")
@@ -194,6 +197,30 @@ def test_corrupt_image_names_the_file(tmp_path, loader):
     assert f"cannot decode image {bad}" in message and "replace the file" in message and "\n" not in message
 
 
+def test_a_fifo_or_dangling_link_named_like_an_image_is_named(tmp_path):
+    root = image_folder(tmp_path / "d" / "train", ["a", "b"]).parent
+    fifo = root / "train" / "a" / "x.jpg"
+    os.mkfifo(fifo)
+    cfg = load_config(None, ["data.name=imagefolder", f"data.root={root}"])
+    with pytest.raises(UserError, match=re.escape(f"{fifo} is not a regular file")):
+        read_splits(cfg)
+    fifo.unlink()
+    (root / "train" / "b" / "gone.png").symlink_to(tmp_path / "nowhere.png")  # case 15
+    with pytest.raises(UserError, match="gone.png is a broken symbolic link; remove it or fix its target"):
+        read_splits(cfg)
+
+
+def test_one_class_and_hidden_folders(tmp_path):
+    root = image_folder(tmp_path / "d" / "train", ["only"]).parent
+    cfg = load_config(None, ["data.name=imagefolder", f"data.root={root}"])
+    with pytest.raises(UserError, match="has 1 class folder .*a classifier needs at least 2"):
+        read_splits(cfg)
+    image_folder(root / "train", ["second", ".ipynb_checkpoints"])
+    image_folder(root / "train" / "only", [".hidden"])  # hidden folders inside a class: not images of it
+    splits = read_splits(cfg)
+    assert splits.classes == ["only", "second"] and len(splits.train) + len(splits.val) == 16
+
+
 # ------------------------------------------------------------------ cache
 
 
@@ -262,6 +289,19 @@ def test_loader_processes_start_when_the_data_is_built_and_serve_every_epoch(tmp
     assert set(multiprocessing.active_children()) - before == started
     data.close()
     assert not set(multiprocessing.active_children()) & started
+
+
+def test_loader_processes_are_capped_to_the_cores_and_said_once(capsys):
+    cores = cpu_cores()
+    main_rank, other_rank = (ProcessContext(r, r, 2, 2, CPU, distributed=False) for r in (0, 1))
+    share = max(1, cores // 2)
+    assert loader_processes(100, main_rank) == share
+    assert f"data.num_workers=100 is more than the {share} core(s) each of the 2 process(es)" in one_line(
+        capsys.readouterr().err
+    )
+    assert loader_processes(100, other_rank) == share and capsys.readouterr().err == ""  # rank 0 says it
+    assert loader_processes(1, main_rank) == 1 and loader_processes(-1, main_rank) == min(8, share)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("loader", ["device", "workers"])

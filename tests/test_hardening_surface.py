@@ -219,19 +219,6 @@ def test_27_17_fsdp_options_under_ddp_are_refused_like_ddp_options_under_fsdp(tm
         resolve(cfg, 2, 2, launched=True)
 
 
-def test_27_17_loader_processes_are_capped_to_the_cores_and_said_once(capsys):
-    cores = cpu_cores()
-    main_rank, other_rank = (ProcessContext(r, r, 2, 2, CPU, distributed=False) for r in (0, 1))
-    share = max(1, cores // 2)
-    assert loader_processes(100, main_rank) == share
-    assert f"data.num_workers=100 is more than the {share} core(s) each of the 2 process(es)" in one_line(
-        capsys.readouterr().err
-    )
-    assert loader_processes(100, other_rank) == share and capsys.readouterr().err == ""  # rank 0 says it
-    assert loader_processes(1, main_rank) == 1 and loader_processes(-1, main_rank) == min(8, share)
-    assert capsys.readouterr().err == ""
-
-
 def test_27_17_a_very_large_image_decodes_without_pillows_bomb_warning(tmp_path, monkeypatch):
     # Pillow warns above MAX_IMAGE_PIXELS (89 M by default: a 12000×9000 photo) and refuses above
     # twice that; a small limit makes small images stand for those.
