@@ -208,15 +208,3 @@ def test_27_14_a_refused_resume_leaves_out_dir_as_it_found_it(single, tmp_path, 
     err = one_line(capsys.readouterr().err)
     assert f"checkpoint {last} is at step 2, already past train.max_steps=1 (1 steps); to continue it, raise" in err
     assert list(empty.iterdir()) == []  # no lock, no checkpoints/, no config.yaml or metrics.jsonl
-
-
-@pytest.mark.distributed
-def test_27_14_a_run_its_workers_refuse_leaves_no_lock(tmp_path):
-    """Refused by the workers (weights that do not load), after the launcher took the lock."""
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(b"not a checkpoint")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    result = cli("train", "--nproc-per-node", "2", *TINY, f"model.weights={garbage}", f"out_dir={empty}")
-    assert result.returncode == 2, result.stderr
-    assert list(empty.iterdir()) == []

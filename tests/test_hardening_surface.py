@@ -84,26 +84,6 @@ def test_27_3_sixteen_bit_greyscale_is_scaled_not_clipped(tmp_path):
 # ------------------------------------------------------------------ case 10: TensorBoard's folder
 
 
-@pytest.mark.distributed
-def test_27_10_tensorboard_folder_that_is_a_file_or_unwritable_is_one_line_before_training(tmp_path, capsys):
-    blocked = tmp_path / "file"
-    blocked.mkdir()
-    (blocked / "tensorboard").write_text("in the way")
-    assert main(["train", *TINY, "log.tensorboard=true", f"out_dir={blocked}"]) == 2  # one process
-    assert "tensorboard is a file, not a folder for TensorBoard's event files" in one_line(capsys.readouterr().err)
-    locked = tmp_path / "locked"
-    (locked / "tensorboard").mkdir(parents=True)
-    with unwritable(locked / "tensorboard"):
-        for out in (blocked, locked):  # ddp×2: said by the launcher before any worker starts
-            result = cli("train", *TINY, "log.tensorboard=true", f"out_dir={out}", "--nproc-per-node", "2", timeout=120)
-            assert result.returncode == 2, result.stderr
-            line = one_line(result.stderr)
-            assert "multicard: error: " in line and "rank" not in line
-        assert "log.tensorboard=true cannot write" in line and "set log.tensorboard=false" in line
-    for out in (blocked, locked):
-        assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
-
-
 # ------------------------------------------------------------------ case 11: report
 
 
