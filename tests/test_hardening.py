@@ -80,10 +80,3 @@ def test_1_rerun_with_other_settings_is_refused_and_run_length_may_grow(tmp_path
 
 
 # ------------------------------------------------------------------ misleading messages and small surprises
-
-
-@pytest.mark.slow
-def test_17_a_run_says_early_how_long_it_will_take(tmp_path):
-    output = run_here("train", *TINY, "train.epochs=2", f"out_dir={tmp_path}")
-    assert re.search(r"estimated time: \d+ (s|min \d+ s) for the \d+ steps left", output), output
-    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 64

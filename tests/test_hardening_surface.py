@@ -87,30 +87,6 @@ def test_27_3_sixteen_bit_greyscale_is_scaled_not_clipped(tmp_path):
 # ------------------------------------------------------------------ case 11: report
 
 
-def test_27_11_report_skips_odd_lines_saying_how_many_and_checks_out(tmp_path, capsys):
-    run = tmp_path / "run"
-    run.mkdir()
-    step = {"kind": "step", "epoch": 0, "step": 4, "loss": 2.3, "top1": 10.0, "lr": 0.1, "img_per_s": 900.0}
-    epoch = {"kind": "epoch", "epoch": 0, "step": 4, "train_loss": 2.3, "val_top1": 12.5, "val_loss": 2.2}
-    lines = [json.dumps(step), "[1, 2]", json.dumps({**epoch, "val_top1": "NaN"}), json.dumps(epoch), '{"kind": "st',
-             '{"kind": ["step"]}']  # fmt: skip
-    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
-    captured = capsys.readouterr()
-    assert "skipped 4 unreadable line(s) of" in one_line(captured.err)
-    assert "best val top-1 12.50% (epoch 0)" in captured.out and (tmp_path / "r.png").stat().st_size
-    assert main(["report", str(run), "--out", str(tmp_path)]) == 2
-    assert "is a directory; give a file name, e.g." in one_line(capsys.readouterr().err)
-    assert main(["report", str(run), "--out", str(run / "metrics.jsonl" / "r.png")]) == 2
-    assert "metrics.jsonl is a file, not a folder; choose another path" in one_line(capsys.readouterr().err)
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    with unwritable(locked):
-        assert main(["report", str(run), "--out", str(locked / "r.png")]) == 2
-    err = capsys.readouterr().err
-    assert "r.png cannot be written (" in err.splitlines()[-1] and "Traceback" not in err
-
-
 # ------------------------------------------------------------------ case 12: --out and --keep folders
 
 

@@ -1,4 +1,5 @@
-"""When a job stalls the report names the rank and the line; stragglers, TensorBoard, reports.
+"""What a run says of itself: when a job stalls the report names the rank and the line; stragglers,
+TensorBoard, `multicard report` (odd lines of metrics.jsonl skipped and counted), the estimated time.
 Real processes (gloo), real faults: a blocked data loader, a skipped collective, SIGSTOP."""
 
 from __future__ import annotations
@@ -12,12 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAULTS, TINY, alive, cli, descendants, start, wait_for, worker_pid
+from conftest import (
+    FAULTS,
+    TINY,
+    alive,
+    cli,
+    descendants,
+    load_checkpoint,
+    one_line,
+    run_here,
+    start,
+    unwritable,
+    wait_for,
+    worker_pid,
+)
 from multicard.checkpoint import checkpoints_in
 from multicard.cli.main import main
 from multicard.observe.run_records import figure, load_run
-
-pytestmark = pytest.mark.distributed
 
 STALL_S = 6
 # Long enough that only a fault ends it early; stall detection after STALL_S seconds.
@@ -43,6 +55,7 @@ def stalled(launcher, tmp_path: Path, since: float) -> tuple[str, float]:
     return lines[0], reported - since
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "fault, expected",
     [
@@ -65,6 +78,7 @@ def test_a_blocked_rank_is_named_with_its_phase_and_line(tmp_path, fault, expect
         assert "stall at step" in stacks and 'File "' in stacks and "Thread 0x" in stacks
 
 
+@pytest.mark.distributed
 def test_a_stopped_rank_is_named_silent(tmp_path):
     launcher = start("train", "--nproc-per-node", "2", *RUN, "debug.on_stall=abort", f"out_dir={tmp_path / 'out'}")
     wait_for(lambda: (tmp_path / "out" / "metrics.jsonl").exists(), what="training to start")
@@ -79,6 +93,7 @@ def test_a_stopped_rank_is_named_silent(tmp_path):
     assert not (tmp_path / "out" / "stall" / "rank-1.txt").exists()  # it could not answer
 
 
+@pytest.mark.distributed
 def test_no_stall_is_reported_in_a_healthy_run(tmp_path):
     result = cli("train", "--nproc-per-node", "2", *TINY, "train.epochs=2", "debug.stall_s=1", f"out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
@@ -86,6 +101,14 @@ def test_no_stall_is_reported_in_a_healthy_run(tmp_path):
     assert "input pipeline holds training back" not in result.stdout  # nor a data-bound alarm
 
 
+@pytest.mark.slow
+def test_a_run_says_early_how_long_it_will_take(tmp_path):
+    output = run_here("train", *TINY, "train.epochs=2", f"out_dir={tmp_path}")
+    assert re.search(r"estimated time: \d+ (s|min \d+ s) for the \d+ steps left", output), output
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["step"] == 64
+
+
+@pytest.mark.distributed
 def test_a_straggler_is_named_once(tmp_path):
     result = cli(
         "train", "--nproc-per-node", "2", *TINY, "log_every=2", f"out_dir={tmp_path}",
@@ -110,6 +133,7 @@ def _scalars(folder: Path) -> dict[str, list[int]]:
     return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.distributed
 def test_tensorboard_curves_continue_across_a_resume_without_duplicates(tmp_path):
     args = ["--nproc-per-node", "2", *TINY, "train.epochs=2", "log_every=4", "checkpoint.every_steps=8",
             "log.tensorboard=true", f"out_dir={tmp_path}"]  # fmt: skip
@@ -130,6 +154,7 @@ def test_tensorboard_curves_continue_across_a_resume_without_duplicates(tmp_path
         assert tag in steps, tag
 
 
+@pytest.mark.distributed
 def test_report_overlays_two_runs(tmp_path, capsys):
     for name, lr in (("a", "0.1"), ("b", "0.01")):
         assert main(["train", *TINY, f"optim.lr={lr}", f"out_dir={tmp_path / name}"]) == 0
@@ -144,6 +169,7 @@ def test_report_overlays_two_runs(tmp_path, capsys):
     assert curves == expected and expected["a"][0] == pytest.approx(10 * expected["b"][0])
 
 
+@pytest.mark.distributed
 def test_report_and_tensorboard_bad_input_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["report", str(tmp_path)]) == 2
     assert "holds no metrics.jsonl; give the out_dir of a multicard run" in capsys.readouterr().err
@@ -154,6 +180,31 @@ def test_report_and_tensorboard_bad_input_are_one_line(tmp_path, capsys, monkeyp
     assert "debug.stall_s=soon must be auto, 0 (off) or a number of seconds" in capsys.readouterr().err
 
 
+def test_report_skips_odd_lines_saying_how_many_and_checks_out(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    step = {"kind": "step", "epoch": 0, "step": 4, "loss": 2.3, "top1": 10.0, "lr": 0.1, "img_per_s": 900.0}
+    epoch = {"kind": "epoch", "epoch": 0, "step": 4, "train_loss": 2.3, "val_top1": 12.5, "val_loss": 2.2}
+    lines = [json.dumps(step), "[1, 2]", json.dumps({**epoch, "val_top1": "NaN"}), json.dumps(epoch), '{"kind": "st',
+             '{"kind": ["step"]}']  # fmt: skip
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 4 unreadable line(s) of" in one_line(captured.err)
+    assert "best val top-1 12.50% (epoch 0)" in captured.out and (tmp_path / "r.png").stat().st_size
+    assert main(["report", str(run), "--out", str(tmp_path)]) == 2
+    assert "is a directory; give a file name, e.g." in one_line(capsys.readouterr().err)
+    assert main(["report", str(run), "--out", str(run / "metrics.jsonl" / "r.png")]) == 2
+    assert "metrics.jsonl is a file, not a folder; choose another path" in one_line(capsys.readouterr().err)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    with unwritable(locked):
+        assert main(["report", str(run), "--out", str(locked / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert "r.png cannot be written (" in err.splitlines()[-1] and "Traceback" not in err
+
+
+@pytest.mark.distributed
 def test_heartbeats_count_what_they_cost(tmp_path):
     """The watchdog times its own beats (bench reports the share): here, one rank on an in-process
     store, each beat well under 1% of the second between beats."""
