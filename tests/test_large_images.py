@@ -1,4 +1,6 @@
-"""The large-image pipeline: crop distribution, determinism, geometry and pixels against torchvision."""
+"""The large-image pipeline: crop distribution, determinism, geometry and pixels against torchvision;
+images of every mode (16-bit greyscale scaled, not clipped), and very large ones decoded without
+Pillow's decompression-bomb warning."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import functools
 import io
 import math
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,8 @@ from multicard.data.decoding import jpeg
 from multicard.data.decoding.crops import DRAWS, RATIO, centre_region, crop_uniforms, random_resized_box
 from multicard.data.decoding.decode import read_image
 from multicard.data.loading.sampling import BatchSplit
+from multicard.data.sources.encoded import to_rgb
+from multicard.data.sources.user import to_picture
 from multicard.runtime.process_group import ProcessContext
 
 PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
@@ -308,6 +313,25 @@ def test_formats_modes_and_tiny_images(tmp_path, name, make, options):
     assert out.shape == (3, 224, 224) and mad(to_hwc(out), reference_eval(path, 256, 224)) < 3.0
 
 
+def test_sixteen_bit_greyscale_is_scaled_not_clipped(tmp_path):
+    noise = np.random.default_rng(0).integers(0, 65536, (48, 64)).astype(np.uint16)
+    expected = noise / 257  # the same picture in 8 bits
+    path = tmp_path / "grey16.png"
+    Image.fromarray(noise).save(path)
+    assert Image.open(path).mode == "I;16"
+    full = read_image(path).tensor()  # the device loader's decoding
+    assert full.shape == (3, 48, 64) and torch.equal(full[0], full[2])
+    assert np.abs(full[0].numpy() - expected).max() <= 0.5 + 1e-9  # rounded, not clipped to white
+    for transform in (FitSquare(32, 40), RandomResizedCropFlip(32, (0.5, 1.0), flip=True, seed=0)):  # workers loader
+        assert abs(transform(read_image(path), 0, 0).float().mean().item() - expected.mean()) < 4
+    big_endian = Image.frombytes("I;16B", (64, 48), noise.astype(">u2").tobytes())
+    little_endian = Image.frombytes("I;16L", (64, 48), noise.astype("<u2").tobytes())
+    thirty_two_bit = Image.fromarray(noise.astype(np.int32))  # mode I: how older Pillow opens 16-bit PNGs
+    for image in (big_endian, little_endian, thirty_two_bit):
+        assert np.array_equal(np.asarray(to_rgb(image))[..., 0], full[0].numpy()), image.mode
+    assert torch.equal(to_picture(big_endian, "item 0"), full)  # a dataset function's PIL image
+
+
 def test_fast_decoder_and_pillow_give_the_same_pixels(tmp_path, monkeypatch):
     if not jpeg.AVAILABLE:
         pytest.skip("simplejpeg (the optional `jpeg` extra) is not installed")
@@ -336,6 +360,28 @@ def test_unreadable_files_are_one_line_errors_naming_them(tmp_path):
         with pytest.raises(UserError, match=re.escape(f"cannot decode image {truncated} (")) as info:
             transform(read_image(truncated), 0, 0)
         assert "\n" not in str(info.value)
+
+
+def test_a_very_large_image_decodes_without_pillows_bomb_warning(tmp_path, monkeypatch):
+    # Pillow warns above MAX_IMAGE_PIXELS (89 M by default: a 12000×9000 photo) and refuses above
+    # twice that; a small limit makes small images stand for those.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1500)
+    photo = np.random.default_rng(0).integers(0, 256, (30, 40, 3)).astype(np.uint8)  # 1200 px
+    large, huge = tmp_path / "large.jpg", tmp_path / "huge.jpg"
+    Image.fromarray(np.tile(photo, (1, 2, 1))).save(large, quality=90)  # 2400 px: warned of
+    Image.fromarray(np.tile(photo, (2, 2, 1))).save(huge, quality=90)  # 4800 px: refused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for transform in (FitSquare(16, 20), RandomResizedCropFlip(16, (0.5, 1.0), flip=True, seed=0)):
+            assert transform(read_image(large), 0, 0).shape == (3, 16, 16)
+        assert read_image(large).tensor().shape == (3, 30, 80)
+        with pytest.raises(UserError, match=r"cannot decode image .*huge.jpg \(Image size \(4800 pixels\) exceeds"):
+            read_image(huge)
+    data = io.BytesIO()
+    Image.fromarray(np.tile(photo, (1, 2, 1))).save(data, "PNG")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert to_picture(data.getvalue(), "item 3").tensor().shape == (3, 30, 80)  # a dataset function's bytes
 
 
 # ------------------------------------------------------------------ real photos
