@@ -120,16 +120,6 @@ def test_27_15_plan_bounds_say_the_truth_and_measure_prints_no_profiler_noise(tm
 # ------------------------------------------------------------------ case 16: model.kwargs.num_classes
 
 
-def test_27_16_num_classes_in_model_kwargs_says_it_comes_from_the_data(tmp_path, capsys):
-    with pytest.raises(UserError, match=r"model.kwargs.num_classes=5: the number of classes comes from the data"):
-        build_model("smallcnn", 10, {"num_classes": 5})
-    pytest.importorskip("timm")
-    argv = ["train", *TINY, "model.name=timm:resnet18", "model.kwargs={num_classes: 5}", f"out_dir={tmp_path}"]
-    assert main(argv) == 2
-    line = one_line(capsys.readouterr().err)
-    assert "remove it from model.kwargs" in line and "<locals>" not in line
-
-
 # ------------------------------------------------------------------ case 17
 
 

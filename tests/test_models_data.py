@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import TINY, cli
+from conftest import TINY, cli, one_line
 from multicard.base.errors import UserError
+from multicard.cli.main import main
 from multicard.data.sources.synthetic import make_synthetic
 from multicard.strategy.base import Strategy
 from multicard.strategy.models import build_model, check_input_size
@@ -88,6 +89,16 @@ def test_what_a_users_model_function_raises_is_its_own_and_config_it_cannot_take
         check_input_size(build_model("test_models_data:for_32_pixels", 4), "test_models_data:for_32_pixels", 16, 4)
     with pytest.raises(UserError, match="rejected model.kwargs={'width': 3}: got an unexpected keyword argument"):
         build_model("test_models_data:for_32_pixels", 4, {"width": 3})  # the config's, not the function's
+
+
+def test_num_classes_in_model_kwargs_says_it_comes_from_the_data(tmp_path, capsys):
+    with pytest.raises(UserError, match=r"model.kwargs.num_classes=5: the number of classes comes from the data"):
+        build_model("smallcnn", 10, {"num_classes": 5})
+    pytest.importorskip("timm")
+    argv = ["train", *TINY, "model.name=timm:resnet18", "model.kwargs={num_classes: 5}", f"out_dir={tmp_path}"]
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "remove it from model.kwargs" in line and "<locals>" not in line
 
 
 def test_smallcnn_without_norm_has_no_batchnorm():
