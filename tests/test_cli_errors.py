@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY, cli, one_line
+from conftest import TINY, cli, one_line, unwritable
 from multicard.cli.main import main
 
 BAD_OVERRIDES = [
@@ -76,6 +76,27 @@ def test_unwritable_out_dir(tmp_path, capsys):
     blocker.write_text("not a directory")
     assert main(["train", *TINY, f"out_dir={blocker}/run"]) == 2
     assert "choose a writable out_dir" in capsys.readouterr().err
+
+
+def test_plan_bench_and_verify_refuse_an_output_folder_they_cannot_use_before_any_work(tmp_path, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("in the way")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    commands = {
+        "plan": ["plan", "--gpu", "h100", "--out"],
+        "bench": ["bench", "--world-sizes", "1", "--out"],
+        "verify": ["verify", "--keep"],
+    }
+    for name, argv in commands.items():
+        assert main([*argv, str(file)]) == 2, name
+        assert f"{file} is a file; give a folder (the results are written inside it)" in one_line(
+            capsys.readouterr().err
+        )
+    with unwritable(locked):
+        assert main(["plan", "--gpu", "h100", "--out", str(locked / "plan")]) == 2
+        assert "plan cannot be written (" in one_line(capsys.readouterr().err)
+    assert not list(locked.iterdir())
 
 
 @pytest.mark.slow

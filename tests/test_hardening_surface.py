@@ -71,27 +71,6 @@ def unwritable(folder: Path):
 # ------------------------------------------------------------------ case 12: --out and --keep folders
 
 
-def test_27_12_plan_bench_and_verify_refuse_an_output_folder_they_cannot_use_before_any_work(tmp_path, capsys):
-    file = tmp_path / "a-file"
-    file.write_text("in the way")
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    commands = {
-        "plan": ["plan", "--gpu", "h100", "--out"],
-        "bench": ["bench", "--world-sizes", "1", "--out"],
-        "verify": ["verify", "--keep"],
-    }
-    for name, argv in commands.items():
-        assert main([*argv, str(file)]) == 2, name
-        assert f"{file} is a file; give a folder (the results are written inside it)" in one_line(
-            capsys.readouterr().err
-        )
-    with unwritable(locked):
-        assert main(["plan", "--gpu", "h100", "--out", str(locked / "plan")]) == 2
-        assert "plan cannot be written (" in one_line(capsys.readouterr().err)
-    assert not list(locked.iterdir())
-
-
 # ------------------------------------------------------------------ case 15: plan's bounds, quiet --measure
 
 
