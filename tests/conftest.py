@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -227,6 +228,11 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     floats = [k for k in b if b[k].is_floating_point()]
     assert all(torch.equal(a[k], b[k]) for k in b if k not in floats)  # counters such as num_batches_tracked
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in floats)
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    """A copy of a run's out_dir (its `last`/`best` links kept as links) for a test to change."""
+    return Path(shutil.copytree(run, tmp_path / "out", symlinks=True))
 
 
 def one_line(err: str) -> str:

@@ -3,38 +3,15 @@ traceback, nothing lost. Numbers refer to the cases of the hardening issue."""
 
 from __future__ import annotations
 
-import ast
-import errno
-import os
-import pickle
-import re
-import signal
-import socket
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 from PIL import Image
 
 from conftest import (
-    ROOT,
-    RUNNING,
     TINY,
-    alive,
-    cli,
-    descendants,
-    load_checkpoint,
-    run_here,
-    start,
-    wait_for,
-    worker_pid,
 )
-from multicard.base.config import load_config
-from multicard.base.errors import UserError
-from multicard.checkpoint import checkpoints_in, load_file
-from multicard.cli.main import main, parse
-from multicard.data import read_splits
+from multicard.cli.main import main
 
 
 def one_line(err: str) -> str:

@@ -3,23 +3,12 @@ line, a documented exit code, nothing lost — with real processes for the shard
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY, cli, final_params, max_rel_diff, run_here
-from multicard.checkpoint import read_checkpoint
+from conftest import TINY, copy_of, run_here
 from multicard.cli.main import main
-
-# float64 and no BatchNorm: one process and two give the same parameters (within 1e-10).
-EXACT = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "sched.name=constant", "checkpoint.every_steps=2"]
-FSDP2 = ["--nproc-per-node", "2", "--oversubscribe", "strategy=fsdp"]
-ZERO1 = [
-    "--nproc-per-node", "2", "--oversubscribe", "strategy=ddp", "ddp.shard_optimizer=true", "checkpoint.format=file",
-]  # fmt: skip
 
 
 def one_line(err: str) -> str:
@@ -31,23 +20,6 @@ def one_line(err: str) -> str:
 def run_ok(*args: str) -> str:
     """`multicard train ARGS` run by this process (conftest.run_here); its stdout and its workers'."""
     return run_here("train", *args)
-
-
-def copy_of(run: Path, tmp_path: Path) -> Path:
-    """A copy of a run's out_dir (its `last`/`best` links kept as links) for a test to change."""
-    return Path(shutil.copytree(run, tmp_path / "out", symlinks=True))
-
-
-def step_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step-{step:09d}"
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    """The out_dir of an fsdp×2 run of 6 steps: sharded checkpoints at steps 2, 4 and 6."""
-    out = tmp_path_factory.mktemp("sharded")
-    run_ok(*FSDP2, *EXACT, "train.max_steps=6", f"out_dir={out}")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -98,80 +70,7 @@ def test_27_4_a_longer_run_says_its_schedule_is_re_stretched(single, tmp_path, c
 # ------------------------------------------------------------------ data lost
 
 
-@pytest.mark.distributed
-def test_27_6_a_damaged_newest_sharded_checkpoint_is_skipped_once_and_named(sharded, tmp_path, capsys):
-    out = copy_of(sharded, tmp_path)
-    missing = step_dir(out, 6) / "__1_0.distcp"
-    missing.unlink()
-    output = run_ok(*FSDP2, *EXACT, "train.max_steps=8", f"out_dir={out}")
-    skipped = [line for line in output.splitlines() if "skipping damaged" in line]
-    assert len(skipped) == 1 and f"({missing} is missing)" in skipped[0], output  # once, not per rank
-    assert f"resumed from {step_dir(out, 4)}:" in output
-    damaged = copy_of(sharded, tmp_path / "truncated")
-    shard = step_dir(damaged, 6) / "__0_0.distcp"
-    os.truncate(shard, 100)
-    for command in (["export", "--out", str(tmp_path / "m.pt")], ["eval"]):
-        assert main([command[0], "--checkpoint", str(damaged / "checkpoints" / "last"), *command[1:]]) == 2
-        err = one_line(capsys.readouterr().err)
-        assert f"cannot be read ({shard} has 100 of its" in err and "it is damaged" in err
-    assert not (tmp_path / "m.pt").exists()
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("async_save", ["false", "true"])
-def test_27_7_disk_full_during_a_sharded_save_removes_the_partial_write(tmp_path, async_save):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("needs to mount a small tmpfs (root)")
-    try:
-        out = disk / "out"
-        # fp32 smallcnn: a checkpoint takes ~0.9 MB; the first fits, the second fills the disk.
-        args = [*FSDP2, *TINY, "train.max_steps=6", "checkpoint.every_steps=2", f"checkpoint.async_save={async_save}"]
-        result = cli("train", *args, f"out_dir={out}")
-        assert result.returncode == 2, result.stderr
-        errors = [line for line in result.stderr.splitlines() if line.startswith("multicard: error")]
-        assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr  # once, not per rank
-        folder = out / "checkpoints"
-        step = folder / "step-000000004"
-        assert f"cannot write {step} (No space left on device); free space in {folder}" in errors[0]
-        assert not list(folder.glob(".*"))  # the unfinished step directory is gone
-        assert shutil.disk_usage(disk).free > 400_000  # and its bytes with it
-        assert read_checkpoint(folder / "last")["step"] == 2  # the earlier checkpoint, intact
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
-
-
-@pytest.mark.slow
-def test_27_8_a_step_directory_without_its_marker_is_named_and_refused(sharded, tmp_path, capsys):
-    out = copy_of(sharded, tmp_path)
-    unmarked = step_dir(out, 6)
-    (unmarked / "COMPLETE").unlink()
-    for command in (["export", "--out", str(tmp_path / "m.pt")], ["eval"]):
-        assert main([command[0], "--checkpoint", str(unmarked), *command[1:]]) == 2
-        assert f"checkpoint {unmarked} is incomplete" in one_line(capsys.readouterr().err)
-    assert main(["train", *EXACT, "train.max_steps=8", f"out_dir={out}"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert [line for line in lines if line.startswith("warning:")] == [
-        f"warning: skipping {unmarked}: it has no COMPLETE marker (a run ended while writing it, or it was copied "
-        f"in part)"
-    ]
-    assert any(line.startswith(f"resumed from {step_dir(out, 4)}:") for line in lines)
-
-
 # ------------------------------------------------------------------ tracebacks
-
-
-@pytest.mark.distributed
-def test_27_9_fsdp_and_zero1_resume_each_others_checkpoints_exactly(sharded, tmp_path):
-    """fsdp×2 to step 6 (shards), ZeRO-1 to 8 (a file), fsdp×2 to 10: one process's parameters."""
-    out = copy_of(sharded, tmp_path)
-    assert f"resumed from {step_dir(out, 6)}:" in run_ok(*ZERO1, *EXACT, "train.max_steps=8", f"out_dir={out}")
-    back = run_ok(*FSDP2, *EXACT, "train.max_steps=10", f"out_dir={out}")
-    assert f"resumed from {out / 'checkpoints' / 'step-000000008.pt'}:" in back
-    alone = tmp_path / "alone"
-    assert main(["train", *EXACT, "train.max_steps=10", f"out_dir={alone}"]) == 0
-    assert max_rel_diff(final_params(out), final_params(alone)) < 1e-10
 
 
 # ------------------------------------------------------------------ messages

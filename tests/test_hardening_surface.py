@@ -4,33 +4,19 @@ under ddp, loader processes, and very large images. Each test is named after its
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import subprocess
 import sys
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import TINY, clean_env, cli
+from conftest import TINY, clean_env
 from multicard.base.config import load_config, to_dict
-from multicard.base.errors import UserError
 from multicard.cli.main import main
-from multicard.data import loader_processes
-from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip
-from multicard.data.decoding.decode import read_image
-from multicard.data.sources.encoded import to_rgb
-from multicard.data.sources.user import to_picture
-from multicard.runtime.process_group import ProcessContext, cpu_cores
-from multicard.strategy.models import build_model
-from multicard.strategy.topology import resolve
 
 CPU = torch.device("cpu")
 
@@ -100,26 +86,3 @@ def test_27_15_plan_bounds_say_the_truth_and_measure_prints_no_profiler_noise(tm
 
 
 # ------------------------------------------------------------------ case 17
-
-
-@pytest.mark.slow
-def test_27_17_a_one_process_sharded_save_prints_no_torch_warning(tmp_path):
-    done = cli("train", *TINY, "data.train_size=64", "checkpoint.format=sharded", f"out_dir={tmp_path}")
-    assert done.returncode == 0, done.stderr
-    assert "Warning" not in done.stderr and "torch.distributed is disabled" not in done.stderr
-    assert (tmp_path / "checkpoints" / "last" / "COMPLETE").exists()
-
-
-def test_27_17_fsdp_options_under_ddp_are_refused_like_ddp_options_under_fsdp(tmp_path, capsys):
-    argv = ["train", *TINY, "strategy=ddp", "fsdp.reshard_after_forward=false", f"out_dir={tmp_path}"]
-    assert main([*argv, "--nproc-per-node", "2"]) == 2  # the launcher refuses: no worker starts
-    assert (
-        "fsdp.reshard_after_forward is an FSDP option and has no effect under strategy=ddp; remove it, or use "
-        "strategy=fsdp" in one_line(capsys.readouterr().err)
-    )
-    assert not list(tmp_path.iterdir())
-    # Evaluation runs an fsdp checkpoint's config (its fsdp options included) under ddp: allowed.
-    cfg = load_config(None, ["fsdp.units=[BasicBlock]", "fsdp.reshard_after_forward=false"])
-    assert resolve(cfg, 2, 2, launched=True, training=False).strategy == "ddp"
-    with pytest.raises(UserError, match=r"is an FSDP option and has no effect under strategy=ddp"):
-        resolve(cfg, 2, 2, launched=True)

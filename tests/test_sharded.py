@@ -1,23 +1,31 @@
 """Sharded training — fsdp ZeRO-3 and ZeRO-2, HSDP, ZeRO-1 under ddp — and sharded checkpoints
-that reshard on load, with real processes (gloo on CPU) and real signals."""
+that reshard on load (fsdp and ZeRO-1 resume each other's), with real processes (gloo on CPU) and
+real signals. A damaged or unmarked step directory is skipped and named, a full disk during a
+sharded save leaves no partial write, and options of one strategy under another are refused."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import (
     ROOT,
+    TINY,
     alive,
     cli,
+    copy_of,
     descendants,
     final_params,
     max_rel_diff,
+    one_line,
     run_here,
     slowed,
     start,
@@ -25,10 +33,11 @@ from conftest import (
     wait_for,
     worker_pid,
 )
-from multicard.checkpoint import checkpoints_in
+from multicard.base.config import load_config
+from multicard.base.errors import UserError
+from multicard.checkpoint import checkpoints_in, read_checkpoint
 from multicard.cli.main import main
-
-pytestmark = pytest.mark.distributed
+from multicard.strategy.topology import resolve
 
 MODELS = {"PYTHONPATH": str(ROOT / "tests")}  # sharding_models.py
 # float64, a model without BatchNorm whose shards are uneven at 2 and 3 ranks, 4 steps per epoch.
@@ -54,6 +63,7 @@ def single(tmp_path_factory):
     return final_params(out)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "nproc, options",
     [
@@ -71,6 +81,7 @@ def test_sharded_training_equals_one_process(single, tmp_path, nproc, options):
     assert max_rel_diff(final_params(tmp_path), single) < 1e-10
 
 
+@pytest.mark.distributed
 def test_hsdp_over_two_nodes_equals_one_process(single, tmp_path):
     """fsdp.replicate=nodes on two nodes (two launchers on this host): a 2-D mesh, same maths."""
     train_on_two_nodes(
@@ -79,6 +90,7 @@ def test_hsdp_over_two_nodes_equals_one_process(single, tmp_path):
     assert max_rel_diff(final_params(tmp_path), single) < 1e-10
 
 
+@pytest.mark.distributed
 def test_sharding_holds_half_the_state_per_rank(tmp_path):
     """A 20 M-parameter model with AdamW: bytes of parameters, gradients and optimizer state each
     rank holds (its tensors, shards counted as held) under fsdp×2 ≤ 0.55 × ddp×2."""
@@ -112,6 +124,7 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("resume_with", [3, 1], ids=["fsdp3", "single"])
 def test_stopped_fsdp2_run_resumes_under_another_layout_exactly(uninterrupted, tmp_path, resume_with):
     """SIGTERM mid-epoch under fsdp×2 (writing its checkpoints in the background), then the rest of
@@ -138,6 +151,7 @@ def test_stopped_fsdp2_run_resumes_under_another_layout_exactly(uninterrupted, t
         assert torch.load(exported, weights_only=True).keys() == final_params(tmp_path).keys()
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     """SIGKILL of rank 1 while a sharded checkpoint is being written: the next run removes the
     unfinished directory, says so, and resumes from the last complete checkpoint."""
@@ -167,6 +181,7 @@ def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
 # ------------------------------------------------------------------ bad input
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -184,6 +199,7 @@ def test_fsdp_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys, o
     assert err.count("\n") == 1 and message in err
 
 
+@pytest.mark.distributed
 def test_a_file_of_a_sharded_checkpoint_names_its_directory(uninterrupted, tmp_path, capsys):
     step = checkpoints_in(uninterrupted / "checkpoints")[0]
     shard = next(step.glob("__0_*.distcp"))
@@ -195,6 +211,104 @@ def test_a_file_of_a_sharded_checkpoint_names_its_directory(uninterrupted, tmp_p
     assert "is incomplete (a run ended while writing it)" in capsys.readouterr().err
 
 
+# float64 and no BatchNorm: one process and two give the same parameters (within 1e-10).
+EXACT = [*TINY, "precision=fp64", "model.kwargs={norm: none}", "sched.name=constant", "checkpoint.every_steps=2"]
+
+
+FSDP2 = ["--nproc-per-node", "2", "--oversubscribe", "strategy=fsdp"]
+
+
+ZERO1 = [
+    "--nproc-per-node", "2", "--oversubscribe", "strategy=ddp", "ddp.shard_optimizer=true", "checkpoint.format=file",
+]  # fmt: skip
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:09d}"
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    """The out_dir of an fsdp×2 run of 6 steps: sharded checkpoints at steps 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("sharded")
+    train(*FSDP2, *EXACT, "train.max_steps=6", f"out_dir={out}")
+    return out
+
+
+@pytest.mark.distributed
+def test_a_damaged_newest_sharded_checkpoint_is_skipped_once_and_named(sharded, tmp_path, capsys):
+    out = copy_of(sharded, tmp_path)
+    missing = step_dir(out, 6) / "__1_0.distcp"
+    missing.unlink()
+    output = train(*FSDP2, *EXACT, "train.max_steps=8", f"out_dir={out}")
+    skipped = [line for line in output.splitlines() if "skipping damaged" in line]
+    assert len(skipped) == 1 and f"({missing} is missing)" in skipped[0], output  # once, not per rank
+    assert f"resumed from {step_dir(out, 4)}:" in output
+    damaged = copy_of(sharded, tmp_path / "truncated")
+    shard = step_dir(damaged, 6) / "__0_0.distcp"
+    os.truncate(shard, 100)
+    for command in (["export", "--out", str(tmp_path / "m.pt")], ["eval"]):
+        assert main([command[0], "--checkpoint", str(damaged / "checkpoints" / "last"), *command[1:]]) == 2
+        err = one_line(capsys.readouterr().err)
+        assert f"cannot be read ({shard} has 100 of its" in err and "it is damaged" in err
+    assert not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_step_directory_without_its_marker_is_named_and_refused(sharded, tmp_path, capsys):
+    out = copy_of(sharded, tmp_path)
+    unmarked = step_dir(out, 6)
+    (unmarked / "COMPLETE").unlink()
+    for command in (["export", "--out", str(tmp_path / "m.pt")], ["eval"]):
+        assert main([command[0], "--checkpoint", str(unmarked), *command[1:]]) == 2
+        assert f"checkpoint {unmarked} is incomplete" in one_line(capsys.readouterr().err)
+    assert main(["train", *EXACT, "train.max_steps=8", f"out_dir={out}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("warning:")] == [
+        f"warning: skipping {unmarked}: it has no COMPLETE marker (a run ended while writing it, or it was copied "
+        f"in part)"
+    ]
+    assert any(line.startswith(f"resumed from {step_dir(out, 4)}:") for line in lines)
+
+
+@pytest.mark.distributed
+def test_fsdp_and_zero1_resume_each_others_checkpoints_exactly(sharded, tmp_path):
+    """fsdp×2 to step 6 (shards), ZeRO-1 to 8 (a file), fsdp×2 to 10: one process's parameters."""
+    out = copy_of(sharded, tmp_path)
+    assert f"resumed from {step_dir(out, 6)}:" in train(*ZERO1, *EXACT, "train.max_steps=8", f"out_dir={out}")
+    back = train(*FSDP2, *EXACT, "train.max_steps=10", f"out_dir={out}")
+    assert f"resumed from {out / 'checkpoints' / 'step-000000008.pt'}:" in back
+    alone = tmp_path / "alone"
+    assert main(["train", *EXACT, "train.max_steps=10", f"out_dir={alone}"]) == 0
+    assert max_rel_diff(final_params(out), final_params(alone)) < 1e-10
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_disk_full_during_a_sharded_save_removes_the_partial_write(tmp_path, async_save):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("needs to mount a small tmpfs (root)")
+    try:
+        out = disk / "out"
+        # fp32 smallcnn: a checkpoint takes ~0.9 MB; the first fits, the second fills the disk.
+        args = [*FSDP2, *TINY, "train.max_steps=6", "checkpoint.every_steps=2", f"checkpoint.async_save={async_save}"]
+        result = cli("train", *args, f"out_dir={out}")
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("multicard: error")]
+        assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr  # once, not per rank
+        folder = out / "checkpoints"
+        step = folder / "step-000000004"
+        assert f"cannot write {step} (No space left on device); free space in {folder}" in errors[0]
+        assert not list(folder.glob(".*"))  # the unfinished step directory is gone
+        assert shutil.disk_usage(disk).free > 400_000  # and its bytes with it
+        assert read_checkpoint(folder / "last")["step"] == 2  # the earlier checkpoint, intact
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.distributed
 def test_zero1_and_node_copies_are_refused_where_they_cannot_work(tmp_path, capsys):
     cases = [
         (["strategy=single", "ddp.shard_optimizer=true"], "ZeRO-1) shards optimizer state over DDP ranks but"),
@@ -210,6 +324,30 @@ def test_zero1_and_node_copies_are_refused_where_they_cannot_work(tmp_path, caps
     assert "is a directory that holds no checkpoint" in capsys.readouterr().err  # out_dir is not a checkpoint
 
 
+def test_fsdp_options_under_ddp_are_refused_like_ddp_options_under_fsdp(tmp_path, capsys):
+    argv = ["train", *TINY, "strategy=ddp", "fsdp.reshard_after_forward=false", f"out_dir={tmp_path}"]
+    assert main([*argv, "--nproc-per-node", "2"]) == 2  # the launcher refuses: no worker starts
+    assert (
+        "fsdp.reshard_after_forward is an FSDP option and has no effect under strategy=ddp; remove it, or use "
+        "strategy=fsdp" in one_line(capsys.readouterr().err)
+    )
+    assert not list(tmp_path.iterdir())
+    # Evaluation runs an fsdp checkpoint's config (its fsdp options included) under ddp: allowed.
+    cfg = load_config(None, ["fsdp.units=[BasicBlock]", "fsdp.reshard_after_forward=false"])
+    assert resolve(cfg, 2, 2, launched=True, training=False).strategy == "ddp"
+    with pytest.raises(UserError, match=r"is an FSDP option and has no effect under strategy=ddp"):
+        resolve(cfg, 2, 2, launched=True)
+
+
+@pytest.mark.slow
+def test_a_one_process_sharded_save_prints_no_torch_warning(tmp_path):
+    done = cli("train", *TINY, "data.train_size=64", "checkpoint.format=sharded", f"out_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr and "torch.distributed is disabled" not in done.stderr
+    assert (tmp_path / "checkpoints" / "last" / "COMPLETE").exists()
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("name, fused", [("adamw", True), ("sgd", False)])
 def test_the_optimizer_step_on_shards_is_fused_where_torch_has_the_kernel(tmp_path, name, fused):
     """AdamW's fused kernel runs on sharded (DTensor) parameters, and updates them as the
