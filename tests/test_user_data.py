@@ -433,6 +433,22 @@ def test_hf_label_column_that_is_not_integer_is_refused(tmp_path):
         hf(tmp_path / "strings")
 
 
+def test_a_missing_image_file_of_a_parquet_dataset_is_named(photos, tmp_path):
+    os.environ.setdefault("HF_HOME", str(tmp_path / "hf-home"))  # the datasets cache, before its import
+    datasets = pytest.importorskip("datasets")
+    import pyarrow.parquet as pq
+
+    files, gone = [str(f) for f in sorted((photos / "train").glob("*/*.png"))], tmp_path / "gone.png"
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+    (tmp_path / "hf").mkdir()
+    for split, images in (("train", [*files, str(gone)]), ("validation", files[:2])):
+        rows = datasets.Dataset.from_dict({"image": images, "label": [0] * len(images)}, features=features)
+        pq.write_table(rows.data.table, tmp_path / "hf" / f"{split}-00000-of-00001.parquet")  # paths, no bytes
+    train = hf(tmp_path / "hf").train
+    with pytest.raises(UserError, match=f"split train item {len(files)} names image file {gone}, which cannot be read"):
+        read_item(train, len(files))
+
+
 def test_hf_without_the_extra_names_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` then raises ImportError
     with pytest.raises(UserError, match=r"data.name=hf needs .*: pip install 'multicard\[hf\]'"):
