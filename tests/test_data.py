@@ -205,7 +205,7 @@ def test_a_fifo_or_dangling_link_named_like_an_image_is_named(tmp_path):
     with pytest.raises(UserError, match=re.escape(f"{fifo} is not a regular file")):
         read_splits(cfg)
     fifo.unlink()
-    (root / "train" / "b" / "gone.png").symlink_to(tmp_path / "nowhere.png")  # case 15
+    (root / "train" / "b" / "gone.png").symlink_to(tmp_path / "nowhere.png")
     with pytest.raises(UserError, match="gone.png is a broken symbolic link; remove it or fix its target"):
         read_splits(cfg)
 

@@ -160,7 +160,7 @@ def test_single_strategy_refuses_several_processes():
 
 def test_cloud_launchers_describe_the_node_in_their_variables():
     """A Kubeflow TrainJob (PET_*: torchrun's own variables) or a SkyPilot task (SKYPILOT_*) runs one
-    `multicard train` per node: multicard's launcher takes the topology from them (issue 35)."""
+    `multicard train` per node: multicard's launcher takes the topology from them."""
     from multicard.runtime.environment import node_topology
 
     kubeflow = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
