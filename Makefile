@@ -36,7 +36,7 @@ test: $(VENV)/.installed-dev
 	$(PY) -m mypy
 	$(PY) -m compileall -q src tests
 	rm -rf dist && $(PY) -m build --no-isolation --quiet --outdir dist .
-	MULTICARD_WHEEL=$$(ls dist/multicard-*.whl) $(PY) -m pytest -n 2 --dist loadfile
+	MULTICARD_WHEEL=$$(ls $(CURDIR)/dist/multicard-*.whl) $(PY) -m pytest -n 2 --dist loadfile
 
 # The unit tests alone (no multi-process or end-to-end runs): under a minute, for work in progress.
 test-fast: $(VENV)/.installed-dev

@@ -10,6 +10,7 @@ import random
 import re
 import signal
 import threading
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -129,7 +130,7 @@ def test_sigterm_mid_epoch_with_checkpoints_on_s3_resumes_bitwise_and_at_another
 
 def _checkpointer(url: str, said: list[str] | None = None) -> Checkpointer:
     """The Checkpointer of one process without a process group, keep_last 2, on checkpoint.dir=url."""
-    ctx = SimpleNamespace(is_main=True, distributed=False, world_size=1, barrier=lambda: None)
+    ctx = SimpleNamespace(is_main=True, is_local_main=True, distributed=False, world_size=1, barrier=lambda: None)
     strategy = SimpleNamespace(ctx=ctx, checkpoint_format="file", barrier=lambda: None, broadcast_object=lambda o: o)
     options = load_config(None, ["checkpoint.keep_last=2", f"checkpoint.dir={url}"]).checkpoint
     say = said.append if said is not None else print
@@ -163,10 +164,14 @@ def _forked(url: str, kill_at: int | None, count: Path) -> int:
     """The pid of a forked child that runs _writer_process."""
     pid = os.fork()
     if pid == 0:
+        code = 1  # a writer that fails ends 1 with its traceback, so the test says why
         try:
             _writer_process(url, kill_at, count)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
-            os._exit(0)
+            os._exit(code)
     return pid
 
 
@@ -205,11 +210,12 @@ def test_killing_the_uploader_at_random_requests_leaves_the_newest_committed_che
 
 
 @pytest.mark.slow
-def test_a_missing_bucket_or_an_unknown_scheme_for_checkpoint_dir_is_one_line(s3_env, waits, tmp_path, capsys):
+def test_a_missing_bucket_or_an_unknown_scheme_for_checkpoint_dir_is_one_line(
+        s3_env, waits, tmp_path, monkeypatch, capsys):  # fmt: skip
     assert main(["train", *TINY, "checkpoint.dir=s3://no-such-bucket/ck", f"out_dir={tmp_path / 'o'}"]) == 2
     said = "s3://no-such-bucket/ck does not exist (FileNotFoundError: The specified bucket does not exist); check"
     assert said in one_line(capsys.readouterr().err) and waits == []
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     assert main(["train", *TINY, "checkpoint.dir=nosuch://b/ck"]) == 2
     said = "checkpoint.dir=nosuch://b/ck: nosuch:// is no storage protocol fsspec knows"
     assert said in one_line(capsys.readouterr().err)
