@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cli, load_checkpoint
-from multicard.base.errors import UserError
+from conftest import cli, load_checkpoint, one_line
+from multicard.base.errors import ExitCode, UserError
+from multicard.cli.main import main
 from multicard.tools.verify import VerifyOptions, verify
 from multicard.tools.verify.checks import (
     RESUME_RTOL,
@@ -84,6 +85,28 @@ def test_verify_bad_checks_are_one_line():
         verify(VerifyOptions(overrides=SMALL, faults=["data-position"], steps=3))  # synthetic: 1 step per epoch
 
 
+def test_verify_refuses_checks_that_would_all_be_skipped(capsys):
+    assert main(["verify", "model.name=squeezenet1_1", "--checks", "parity"]) == ExitCode.BAD_INPUT  # dropout
+    assert one_line(capsys.readouterr().err) == (
+        "multicard: error: --checks parity would check nothing: parity cannot compare a model with dropout (its "
+        "masks differ per rank): add eval, coverage or resume to --checks"
+    )
+    assert main(["verify", "--checks", "resume", "--steps", "1", *SMALL]) == ExitCode.BAD_INPUT
+    assert one_line(capsys.readouterr().err) == (
+        "multicard: error: --checks resume would check nothing: resume needs a step inside an epoch to stop the job "
+        "at and none of its 1 steps but the last is: raise --steps (4 or more on synthetic data)"
+    )
+
+
+def test_verify_whose_runs_left_every_check_skipped_does_not_pass(monkeypatch, capsys):
+    """What only the runs can tell (a dataset of one step per epoch: nowhere to stop inside one)."""
+    monkeypatch.setattr("multicard.tools.verify._run_all", lambda options, runs, dropout: ({"cut": None}, {}))
+    assert main(["verify", "--checks", "resume", *SMALL]) == ExitCode.BAD_INPUT
+    captured = capsys.readouterr()
+    assert "SKIP resume inside an epoch: no step of the 4 but the last is inside an epoch" in captured.out
+    assert one_line(captured.err).startswith("multicard: error: nothing was checked: every selected check was skipped")
+
+
 @pytest.mark.distributed
 def test_verify_checks_fsdp_zero2_too(tmp_path):
     result = cli("verify", "--keep", str(tmp_path), *SMALL, "strategy=fsdp", "fsdp.reshard_after_forward=false")
@@ -116,7 +139,7 @@ def test_parameter_check_reports_the_largest_difference():
     assert outcome.status == "fail" and "1.00e-06" in outcome.detail and "a.weight" in outcome.detail
 
 
-def test_37_5_past_1e9_parity_allows_the_rounding_one_process_makes_with_itself():
+def test_past_1e9_parity_allows_the_rounding_one_process_makes_with_itself():
     """A model whose comparisons rounding decides (speednet on CIFAR-10) lands as far from itself at
     another thread count as ddp lands from one process: that floor, not a fixed number, is the bar;
     a real difference stays far above any floor allowed."""
