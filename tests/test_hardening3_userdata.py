@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import cli, final_params, run_here, start
+from conftest import cli, final_params, one_line, run_here, start
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
 from multicard.cli.main import main
@@ -34,7 +34,6 @@ from multicard.run.assembly import Assembly
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.exits import EXIT_GRACE_S
 from multicard.runtime.process_group import ProcessContext
-from test_hardening_resume import one_line
 
 # Two steps of 16 on 32 pictures of 8 px, 16 to validate.
 RUN = ["model.name=smallcnn", "data.image_size=8", "data.crop_padding=1", "train.epochs=1",
