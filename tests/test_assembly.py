@@ -27,7 +27,7 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return made
 
 
-def test_36_2_a_worker_of_multicards_launcher_makes_no_check_of_its_own(tmp_path, checks):
+def test_a_worker_of_multicards_launcher_makes_no_check_of_its_own(tmp_path, checks):
     """The launcher made the checks and holds out_dir's lock: its workers repeat neither."""
     cfg = load_config(None, [*ONE_STEP, f"out_dir={tmp_path}", "strategy=single"])  # one worker, no group
     commands.train(cfg, ProcessEnv("torchrun", launcher_pid=os.getppid()))
@@ -36,7 +36,7 @@ def test_36_2_a_worker_of_multicards_launcher_makes_no_check_of_its_own(tmp_path
     assert (tmp_path / "checkpoints").is_dir()  # it trained
 
 
-def test_36_2_a_process_no_launcher_started_makes_the_checks_once(tmp_path, checks):
+def test_a_process_no_launcher_started_makes_the_checks_once(tmp_path, checks):
     cfg = load_config(None, [*ONE_STEP, f"out_dir={tmp_path}"])
     commands.train(cfg, ProcessEnv("none"))
     assert checks == [str(tmp_path)]

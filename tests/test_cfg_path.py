@@ -76,7 +76,7 @@ def cfg_path(calls: list[tuple[str, str, list]]) -> list[tuple[str, list[str]]]:
     return list(path.items())
 
 
-def test_36_2_cfg_crosses_at_most_23_modules_to_the_first_optimizer_step(tmp_path):
+def test_cfg_crosses_few_modules_on_its_way_to_the_first_optimizer_step(tmp_path):
     small = ["data.train_size=64", "data.val_size=32", "train.max_steps=2"]
     calls = record_calls(["train", *TINY, *small, f"out_dir={tmp_path}"])
     assert any(module == "engine.loop" and name.endswith("optimizer_step") for module, name, _ in calls)

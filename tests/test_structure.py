@@ -304,7 +304,7 @@ def calls_of(*functions: str) -> dict[str, dict[str, int]]:
     return found
 
 
-def test_36_2_a_run_is_assembled_in_one_place():
+def test_a_run_is_assembled_in_one_place():
     """The checkpointer and the sinks of a run (console, metrics.jsonl, TensorBoard, trackers) are
     made by run.assembly.Assembly alone (train, eval, bench, verify, plan and multicard.Run take
     them from it), and a training run's preflight is called from two places: multicard's launcher,
@@ -316,7 +316,7 @@ def test_36_2_a_run_is_assembled_in_one_place():
     assert calls["check_training_run"] == {"multicard.run.preflight": 1}
 
 
-def test_36_3_tools_use_the_strategies_and_checkpoints_through_their_packages():
+def test_tools_use_the_strategies_and_checkpoints_through_their_packages():
     """The tools take what they use of the strategies and the checkpoints from the packages'
     public surface (`multicard.strategy`, `multicard.checkpoint`), never from a module inside."""
     tools = layer_of("multicard.tools")

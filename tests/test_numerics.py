@@ -38,7 +38,7 @@ def photos(n: int, seed: int = 0) -> torch.Tensor:
 # ------------------------------------------------------------------ case 5: the whitening, exactly
 
 
-def test_37_5_patch_moments_are_the_same_bits_in_any_split_and_order():
+def test_patch_moments_are_the_same_bits_in_any_split_and_order():
     patches = F.unfold(photos(6).double(), 2).transpose(1, 2).reshape(-1, 12)
     whole = patch_moments(patches, 4.0, 16)
     order = torch.randperm(len(patches), generator=torch.Generator().manual_seed(1))
@@ -90,7 +90,7 @@ def fit_whitening(images: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_37_5_ddp_ranks_fit_the_whitening_of_one_process_bitwise(monkeypatch, world):
+def test_ddp_ranks_fit_the_whitening_of_one_process_bitwise(monkeypatch, world):
     """Nearly equal eigenvalues turn their eigenvectors by rounding/gap: a float sum of the
     covariance in another order moved ddp×2's parameters 1e-9 away from one process's."""
     batch = photos(32, seed=2)
@@ -114,7 +114,7 @@ def normalise(norm: torch.nn.BatchNorm2d, batch: torch.Tensor) -> tuple[torch.Te
     return y.detach(), x.grad, norm.running_mean, norm.running_var
 
 
-def test_37_5_global_batchnorm_over_2_ranks_equals_one_process_when_the_mean_dwarfs_the_std(monkeypatch):
+def test_global_batchnorm_over_2_ranks_equals_one_process_when_the_mean_dwarfs_the_std(monkeypatch):
     """E[x²] − E[x]² over the ranks cancelled 8 of float64's 16 digits here: variance 1e-8 off."""
     batch = 1e4 + torch.randn(8, 3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     y, grad, mean, var = normalise(torch.nn.BatchNorm2d(3, momentum=1.0), batch)
@@ -132,7 +132,7 @@ def test_37_5_global_batchnorm_over_2_ranks_equals_one_process_when_the_mean_dwa
 # ------------------------------------------------------------------ case 5: train top-1 under mixing
 
 
-def test_37_5_train_top1_under_mixing_scores_the_mixed_targets():
+def test_train_top1_under_mixing_scores_the_mixed_targets():
     ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
     meter = TrainMeter(Strategy(ctx, Precision("fp32", "cpu"), ModelSetup()), PhaseClock(ctx.device))
     logits = torch.tensor([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]])  # predicts 1, 0, 2
@@ -164,7 +164,7 @@ def _mixed_targets(split: BatchSplit, repeats: int, mode: str, num_samples: int)
 
 
 @pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
-def test_37_4_copies_never_form_a_mixing_pair_at_any_world_size(mode):
+def test_copies_never_form_a_mixing_pair_at_any_world_size(mode):
     """Copies stand B/k positions apart and a pair is positions 2i, 2i+1: with at least two
     distinct samples per global batch (B/k ≥ 2; odd too), a pair is two different samples."""
     for batch, repeats in [(32, 16), (32, 8), (24, 8), (36, 12)]:
@@ -175,7 +175,7 @@ def test_37_4_copies_never_form_a_mixing_pair_at_any_world_size(mode):
                 assert ((targets > 0).sum(1) == 2).all(), (batch, repeats, world, accum)
 
 
-def test_37_4_a_global_batch_of_one_samples_copies_is_refused_with_mixing(tmp_path, capsys):
+def test_a_global_batch_of_one_samples_copies_is_refused_with_mixing(tmp_path, capsys):
     args = ["train", *TINY, "data.repeats=32", f"out_dir={tmp_path / 'run'}"]
     assert main([*args, "mix.mixup_alpha=0.2"]) == 2
     err = capsys.readouterr().err
@@ -186,7 +186,7 @@ def test_37_4_a_global_batch_of_one_samples_copies_is_refused_with_mixing(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_37_4_copies_share_a_micro_batch_exactly_when_it_holds_more_than_b_over_k():
+def test_copies_share_a_micro_batch_exactly_when_it_holds_more_than_b_over_k():
     # The issue's runs: B=32 on 2 processes, micro-batches of 16 (4 samples × 4 copies, 2 × 8)
     assert copies_in_a_micro_batch(BatchSplit(32, 1, 2), 8) == 4
     assert copies_in_a_micro_batch(BatchSplit(32, 1, 2), 16) == 8
@@ -201,7 +201,7 @@ def test_37_4_copies_share_a_micro_batch_exactly_when_it_holds_more_than_b_over_
     )
 
 
-def test_37_4_and_5_a_mixed_repeated_run_notes_its_copies_and_scores_the_mixed_targets(tmp_path, monkeypatch):
+def test_a_mixed_repeated_run_notes_its_copies_and_scores_the_mixed_targets(tmp_path, monkeypatch):
     seen = []
     add = TrainMeter.add
     monkeypatch.setattr(TrainMeter, "add", lambda self, loss, logits, t: (seen.append(t), add(self, loss, logits, t)))

@@ -115,7 +115,7 @@ def default_dtype():
 # ------------------------------------------------------------------ 7: a refused run writes nothing
 
 
-def test_37_7_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
+def test_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
     modules, tmp_path, capsys, monkeypatch
 ):  # fmt: skip
     # A bad item in the first batch (a loader in this process reads it during the first step).
@@ -147,7 +147,7 @@ def test_37_7_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_37_8_datasets_that_differ_by_rank_are_named_at_start_up(modules, tmp_path):
+def test_datasets_that_differ_by_rank_are_named_at_start_up(modules, tmp_path):
     """Before: rank 1's two extra steps waited for rank 0 until dist_timeout_s, blaming "a rank is stuck"."""
     result = cli(
         "train", "--nproc-per-node", "2", *RUN, "data.name=mc37_data:by_rank", "dist_timeout_s=10",
@@ -172,7 +172,7 @@ class TwoRanks:
         return [mine, summary(self.other)]
 
 
-def test_37_8_same_length_but_other_samples_or_classes_are_named(tmp_path):
+def test_ranks_with_other_samples_or_classes_of_the_same_length_are_named(tmp_path):
     labels = torch.tensor([0, 1, 0, 1])
     val = InMemory(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), labels[:2])
     files = Splits(Files(tmp_path, ["a.png", "b.png", "c.png", "d.png"], labels), val, ["x", "y"])
@@ -192,7 +192,7 @@ def test_37_8_same_length_but_other_samples_or_classes_are_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_37_9_a_thread_a_dataset_function_leaves_running_does_not_keep_the_process_alive(modules, tmp_path):
+def test_a_thread_a_dataset_function_leaves_running_does_not_keep_the_process_alive(modules, tmp_path):
     """Before: the process printed its final accuracy, then waited for the thread forever (the
     installed command did; `python -m multicard` alone ended)."""
     proc = start(
@@ -218,7 +218,7 @@ def test_37_9_a_thread_a_dataset_function_leaves_running_does_not_keep_the_proce
 # ------------------------------------------------------------------ 10, 15: modules that change the process
 
 
-def test_37_10_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(modules, tmp_path, capsys):
+def test_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(modules, tmp_path, capsys):
     cfg = load_config(None, [*RUN, "data.name=mc37_sigign:squares", f"out_dir={tmp_path}"])
     with Assembly(cfg, ProcessEnv(source="none")) as s:
         s.trainer  # noqa: B018 -- the run is built (its data module imported) before the signal
@@ -231,7 +231,7 @@ def test_37_10_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(mod
     )
 
 
-def test_37_15_a_dataset_module_that_sets_float64_as_default_trains_as_without_it(
+def test_a_dataset_module_that_sets_float64_as_default_trains_as_without_it(
     modules, tmp_path, default_dtype, capsys
 ):  # fmt: skip
     """Before: a traceback (a float64 batch into float32 weights)."""
@@ -250,7 +250,7 @@ def test_37_15_a_dataset_module_that_sets_float64_as_default_trains_as_without_i
 # ------------------------------------------------------------------ 11: Hugging Face integer labels
 
 
-def test_37_11_hf_plain_integer_labels_are_classes_and_out_of_range_ones_one_line(tmp_path):
+def test_hf_plain_integer_labels_are_classes_and_out_of_range_ones_one_line(tmp_path):
     datasets = pytest.importorskip("datasets")
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, format="PNG")
@@ -277,7 +277,7 @@ def test_37_11_hf_plain_integer_labels_are_classes_and_out_of_range_ones_one_lin
 # ------------------------------------------------------------------ 16: bench checks its data first
 
 
-def test_37_16_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(tmp_path, capsys):
+def test_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")  # a training run's folder, not a pack
     out = tmp_path / "bench"
@@ -294,7 +294,7 @@ def test_37_16_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(
 # ------------------------------------------------------------------ 23: the data-bound note
 
 
-def test_37_23_the_data_bound_note_fits_the_loader_that_runs(capsys):
+def test_the_data_bound_note_fits_the_loader_that_runs(capsys):
     """The note a training log gives when each step waits half its time for data, with either loader."""
 
     def note(*overrides: str) -> str:
