@@ -1,4 +1,4 @@
-"""Issue 36: one way to assemble a run (run/assembly.py), and its preflight made once, where it
+"""One way to assemble a run (run/assembly.py), and its preflight made once, where it
 belongs (run/preflight.py): by multicard's launcher before it starts workers, else by the
 training process itself."""
 

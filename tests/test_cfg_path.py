@@ -1,4 +1,4 @@
-"""Issue 36: the path of the config from `multicard train` to the first optimizer step.
+"""The path of the config from `multicard train` to the first optimizer step.
 
 A tiny single-process training runs in this process under a tracer that records every module of
 src/multicard in which a function is called with the run's Config object, or one of its sections,

@@ -1,4 +1,4 @@
-"""multicard.Run — a user's own loop, model, loss and task get every guarantee (issue 34).
+"""multicard.Run — a user's own loop, model, loss and task get every guarantee.
 
 A loop that is not a classifier (examples/segmentation: per-pixel loss, IoU sums, a transform that
 draws random numbers, run.state) in float64 with grad_accum 2: ddp×2 and fsdp×2 end where one

@@ -1,4 +1,4 @@
-"""Issue 37 ("Hardening, round 3"), cases 4 and 5: repeated augmentation's copies against mixing
+"""Numerics alike at any world size: repeated augmentation's copies against mixing
 pairs and micro-batches; speednet's whitening fitted alike at any world size; train top-1 under
 mixing."""
 
@@ -35,7 +35,7 @@ def photos(n: int, seed: int = 0) -> torch.Tensor:
     return smooth.expand(n, 3, 32, 32) + 0.1 * torch.randn(n, 3, 32, 32, generator=generator)
 
 
-# ------------------------------------------------------------------ case 5: the whitening, exactly
+# ------------------------------------------------------------------ the whitening, exactly
 
 
 def test_patch_moments_are_the_same_bits_in_any_split_and_order():
@@ -102,7 +102,7 @@ def test_ddp_ranks_fit_the_whitening_of_one_process_bitwise(monkeypatch, world):
     assert all(torch.equal(weight, single) for weight in fitted)
 
 
-# ------------------------------------------------------------------ case 5: synced BatchNorm, centred
+# ------------------------------------------------------------------ synced BatchNorm, centred
 
 
 def normalise(norm: torch.nn.BatchNorm2d, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -129,7 +129,7 @@ def test_global_batchnorm_over_2_ranks_equals_one_process_when_the_mean_dwarfs_t
     assert torch.allclose(torch.cat([r[1] for r in per_rank]), grad, rtol=0, atol=1e-11)
 
 
-# ------------------------------------------------------------------ case 5: train top-1 under mixing
+# ------------------------------------------------------------------ train top-1 under mixing
 
 
 def test_train_top1_under_mixing_scores_the_mixed_targets():
@@ -143,7 +143,7 @@ def test_train_top1_under_mixing_scores_the_mixed_targets():
     assert meter.epoch.correct == pytest.approx(0.7 + 0.3 + 0.4 + 2) and meter.epoch.count == 6
 
 
-# ------------------------------------------------------------------ case 4: copies, pairs, micro-batches
+# ------------------------------------------------------------------ copies, pairs, micro-batches
 
 
 def _mixed_targets(split: BatchSplit, repeats: int, mode: str, num_samples: int) -> list[torch.Tensor]:
@@ -187,7 +187,7 @@ def test_a_global_batch_of_one_samples_copies_is_refused_with_mixing(tmp_path, c
 
 
 def test_copies_share_a_micro_batch_exactly_when_it_holds_more_than_b_over_k():
-    # The issue's runs: B=32 on 2 processes, micro-batches of 16 (4 samples × 4 copies, 2 × 8)
+    # B=32 on 2 processes, micro-batches of 16 (4 samples × 4 copies, 2 × 8)
     assert copies_in_a_micro_batch(BatchSplit(32, 1, 2), 8) == 4
     assert copies_in_a_micro_batch(BatchSplit(32, 1, 2), 16) == 8
     assert copies_in_a_micro_batch(BatchSplit(32, 1, 8), 8) == 1  # k processes: every copy on its own rank

@@ -1,4 +1,4 @@
-"""The source tree's shape (issue 23's acceptance), read with `ast`: no torch import, a second to run.
+"""The source tree's shape, read with `ast`: no torch import, a second to run.
 
 - no import cycle among multicard's modules (imports inside functions and under TYPE_CHECKING count);
 - no module imports one of a layer above its own (the order of DESIGN.md's "Layers", in LAYERS);
@@ -273,7 +273,7 @@ def public_names(package: str) -> set[str]:
 
 
 def test_tools_and_the_command_line_use_the_data_layer_through_its_public_surface():
-    """Issue 36: tools/ and cli/ import `multicard.data`, the package, and only the names its `__all__`
+    """tools/ and cli/ import `multicard.data`, the package, and only the names its `__all__`
     declares — never a module of its stage folders (sources, decoding, augmentation, loading)."""
     surface = public_names("multicard.data")
     assert {"read_splits", "build_data", "shard_format"} <= surface
@@ -378,7 +378,7 @@ def kind_questions(source: str) -> set[str]:
 
 
 def test_at_most_3_places_branch_on_local_vs_url_storage():
-    """Issue 43: storage is one interface (base/store.py), local paths and URLs behind the same methods, so
+    """Storage is one interface (base/store.py), local paths and URLs behind the same methods, so
     at most 3 places ask which kind a location or store is: the parser of locations, the store's factory,
     and the packed shards' reader (whole shards where each read is a round trip). The checkpointer, the pack
     tool and the config hold no twin of local and remote code."""

@@ -1,6 +1,6 @@
-"""Hardening round 3 (issue 37): users' own datasets, refused runs, stops and notes — cases 7, 8,
-9, 10, 11, 15, 16 and 23. Each test is named after its case; real processes only where the
-process is what is checked (a hang across ranks, a process that must end)."""
+"""Users' own datasets against a run: refused runs, ranks that read other data, dataset modules that change
+the process (threads, stop handlers, torch's default dtype), Hugging Face labels, bench's data, the data-bound
+note. Real processes only where the process is what is checked (a hang across ranks, a process that must end)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ from multicard.runtime.process_group import ProcessContext
 RUN = ["model.name=smallcnn", "data.image_size=8", "data.crop_padding=1", "train.epochs=1",
        "train.global_batch_size=16", "log_every=1"]  # fmt: skip
 
-# Dataset functions for the cases, in module mc37_data; the modules beside it change the process
+# Dataset functions for the tests, in module own_data; the modules beside it change the process
 # when imported, then offer the same data.
 MODULES = {
-    "mc37_data": '''
+    "own_data": '''
         import os
         import threading
 
@@ -79,17 +79,17 @@ MODULES = {
                 threading.Thread(target=threading.Event().wait, name="prefetcher").start()  # never ends
             return squares(split)
     ''',
-    "mc37_float64": '''
+    "sets_float64": '''
         import torch
 
         torch.set_default_dtype(torch.float64)
-        from mc37_data import squares
+        from own_data import squares
     ''',
-    "mc37_sigign": '''
+    "ignores_sigterm": '''
         import signal
 
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        from mc37_data import squares
+        from own_data import squares
     ''',
 }
 
@@ -112,7 +112,7 @@ def default_dtype():
     torch.set_default_dtype(torch.float32)
 
 
-# ------------------------------------------------------------------ 7: a refused run writes nothing
+# ------------------------------------------------------------------ a refused run writes nothing
 
 
 def test_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
@@ -120,7 +120,7 @@ def test_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
 ):  # fmt: skip
     # A bad item in the first batch (a loader in this process reads it during the first step).
     fresh = tmp_path / "fresh"
-    bad = ["data.name=mc37_data:bad_labels", "data.loader=workers", "data.num_workers=0", "log.tensorboard=true"]
+    bad = ["data.name=own_data:bad_labels", "data.loader=workers", "data.num_workers=0", "log.tensorboard=true"]
     assert main(["train", *RUN, *bad, f"out_dir={fresh}"]) == 2
     assert re.search(r"bad_labels \(train\) item \d+ has label 7, outside 0..1", one_line(capsys.readouterr().err))
     assert not fresh.exists()  # no config.yaml, metrics.jsonl, tensorboard/ or .multicard.lock
@@ -128,7 +128,7 @@ def test_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
     if importlib.util.find_spec("mlflow") is None:
         pytest.skip("pip install 'multicard[mlflow]'")
     run = tmp_path / "run"
-    run_here("train", *RUN, "data.name=mc37_data:squares", "train.max_steps=1", f"out_dir={run}")
+    run_here("train", *RUN, "data.name=own_data:squares", "train.max_steps=1", f"out_dir={run}")
     before = {path.name: path.read_bytes() for path in run.iterdir() if path.is_file()}
 
     class Unreachable(MlflowRun):  # as a server that is down answers (without importing mlflow: seconds)
@@ -137,12 +137,12 @@ def test_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
 
     monkeypatch.setitem(TRACKERS, "mlflow", Unreachable)
     more = ["log.mlflow=true", "log.on_tracker_error=fail", "train.max_steps=2"]
-    assert main(["train", *RUN, "data.name=mc37_data:squares", *more, f"out_dir={run}"]) == 2
+    assert main(["train", *RUN, "data.name=own_data:squares", *more, f"out_dir={run}"]) == 2
     assert "MLflow failed to start a run (connection refused)" in one_line(capsys.readouterr().err)
     assert {path.name: path.read_bytes() for path in run.iterdir() if path.is_file()} == before
 
 
-# ------------------------------------------------------------------ 8: ranks that read other data
+# ------------------------------------------------------------------ ranks that read other data
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_a_run_refused_before_its_first_step_leaves_out_dir_as_it_found_it(
 def test_datasets_that_differ_by_rank_are_named_at_start_up(modules, tmp_path):
     """Before: rank 1's two extra steps waited for rank 0 until dist_timeout_s, blaming "a rank is stuck"."""
     result = cli(
-        "train", "--nproc-per-node", "2", *RUN, "data.name=mc37_data:by_rank", "dist_timeout_s=10",
+        "train", "--nproc-per-node", "2", *RUN, "data.name=own_data:by_rank", "dist_timeout_s=10",
         f"out_dir={tmp_path / 'out'}", env={"PYTHONPATH": str(modules)}, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
@@ -188,7 +188,7 @@ def test_ranks_with_other_samples_or_classes_of_the_same_length_are_named(tmp_pa
         check_same_across_ranks(files, TwoRanks(other_classes))
 
 
-# ------------------------------------------------------------------ 9: a thread that never ends
+# ------------------------------------------------------------------ a thread that never ends
 
 
 @pytest.mark.slow
@@ -196,7 +196,7 @@ def test_a_thread_a_dataset_function_leaves_running_does_not_keep_the_process_al
     """Before: the process printed its final accuracy, then waited for the thread forever (the
     installed command did; `python -m multicard` alone ended)."""
     proc = start(
-        "train", *RUN, "data.name=mc37_data:leaves_a_thread", f"out_dir={tmp_path}", env={"PYTHONPATH": str(modules)}
+        "train", *RUN, "data.name=own_data:leaves_a_thread", f"out_dir={tmp_path}", env={"PYTHONPATH": str(modules)}
     )  # fmt: skip
     deadline = threading.Timer(120, proc.kill)  # a hang fails the test, not the suite
     deadline.start()
@@ -215,18 +215,18 @@ def test_a_thread_a_dataset_function_leaves_running_does_not_keep_the_process_al
     )
 
 
-# ------------------------------------------------------------------ 10, 15: modules that change the process
+# ------------------------------------------------------------------ modules that change the process
 
 
 def test_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(modules, tmp_path, capsys):
-    cfg = load_config(None, [*RUN, "data.name=mc37_sigign:squares", f"out_dir={tmp_path}"])
+    cfg = load_config(None, [*RUN, "data.name=ignores_sigterm:squares", f"out_dir={tmp_path}"])
     with Assembly(cfg, ProcessEnv(source="none")) as s:
         s.trainer  # noqa: B018 -- the run is built (its data module imported) before the signal
         signal.raise_signal(signal.SIGTERM)  # ignored before: the run would have trained on
         assert s.trainer.loop.stop is not None and s.trainer.loop.stop.signum == signal.SIGTERM
     err = capsys.readouterr().err
     assert one_line(err) == (
-        "multicard: warning: data.name=mc37_sigign:squares changed the handler of SIGTERM (multicard put back the "
+        "multicard: warning: data.name=ignores_sigterm:squares changed the handler of SIGTERM (multicard put back the "
         "previous handlers: a stop signal still stops a training run with a checkpoint)"
     )
 
@@ -235,11 +235,11 @@ def test_a_dataset_module_that_sets_float64_as_default_trains_as_without_it(
     modules, tmp_path, default_dtype, capsys
 ):  # fmt: skip
     """Before: a traceback (a float64 batch into float32 weights)."""
-    run_here("train", *RUN, "data.name=mc37_data:squares", f"out_dir={tmp_path / 'plain'}")
-    assert main(["train", *RUN, "data.name=mc37_float64:squares", f"out_dir={tmp_path / 'float64'}"]) == 0
+    run_here("train", *RUN, "data.name=own_data:squares", f"out_dir={tmp_path / 'plain'}")
+    assert main(["train", *RUN, "data.name=sets_float64:squares", f"out_dir={tmp_path / 'float64'}"]) == 0
     assert torch.get_default_dtype() == torch.float32
     assert one_line(capsys.readouterr().err) == (
-        "multicard: warning: data.name=mc37_float64:squares set torch's default dtype to torch.float64 (multicard put "
+        "multicard: warning: data.name=sets_float64:squares set torch's default dtype to torch.float64 (multicard put "
         "back torch.float32: the run's precision comes from the config)"
     )
     reference, changed = final_params(tmp_path / "plain"), final_params(tmp_path / "float64")
@@ -247,7 +247,7 @@ def test_a_dataset_module_that_sets_float64_as_default_trains_as_without_it(
     assert changed["0.0.weight"].dtype == torch.float32  # precision=fp32, the config's
 
 
-# ------------------------------------------------------------------ 11: Hugging Face integer labels
+# ------------------------------------------------------------------ Hugging Face integer labels
 
 
 def test_hf_plain_integer_labels_are_classes_and_out_of_range_ones_one_line(tmp_path):
@@ -274,7 +274,7 @@ def test_hf_plain_integer_labels_are_classes_and_out_of_range_ones_one_line(tmp_
         read_splits(negative, 0)
 
 
-# ------------------------------------------------------------------ 16: bench checks its data first
+# ------------------------------------------------------------------ bench checks its data first
 
 
 def test_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -291,7 +291,7 @@ def test_bench_on_a_folder_that_is_no_pack_is_one_line_and_writes_nothing(tmp_pa
     assert not out.exists()
 
 
-# ------------------------------------------------------------------ 23: the data-bound note
+# ------------------------------------------------------------------ the data-bound note
 
 
 def test_the_data_bound_note_fits_the_loader_that_runs(capsys):
