@@ -95,19 +95,36 @@ def trained_past(out: Path, step: int, world_size: int) -> bool:
     return bool(starts) and starts[-1]["world_size"] == world_size and records(out, "step")[-1]["step"] > step
 
 
+def until(condition, hosts: dict[int, subprocess.Popen], timeout: float, what: str) -> None:
+    """wait_for `condition` while every host's command runs; a host that ends first, or the timeout,
+    fails the test with what each host said."""
+    try:
+        wait_for(lambda: condition() or any(host.poll() is not None for host in hosts.values()), timeout, what)
+        if condition():
+            return
+        problem = "a host ended early"
+    except AssertionError:
+        problem = f"{timeout:.0f} s passed"
+    for host in hosts.values():
+        host.kill()
+    said = [f"host {node} (exit {host.wait()}):\n" + "".join(host.communicate()) for node, host in hosts.items()]
+    raise AssertionError("\n".join([f"{problem} waiting for {what}", *said]))
+
+
 def shrink_and_grow(hosts: TwoHosts, program: list[str], out: Path, how=launcher) -> tuple[str, str]:
     """Run `program` on both hosts as one elastic job (1:2 nodes, started by `how`); kill host 1 mid-epoch
     2 (past step 10), let host 0 go on alone, start host 1 again; both must end with 0. Host 0's
     (stdout, stderr)."""
-    first = [hosts.start(node, *how(node, "1:2", program)) for node in (1, 0)]
-    wait_for(lambda: trained_past(out, 10, world_size=2), what="step 11 at world size 2")
+    first = {node: hosts.start(node, *how(node, "1:2", program)) for node in (1, 0)}
+    until(lambda: trained_past(out, 10, world_size=2), first, 120, "step 11 at world size 2")
     kill_host(hosts, 1)
-    first[0].wait(timeout=30)
-    wait_for(lambda: trained_past(out, records(out, "membership")[-1]["step"], world_size=1), 90, "a step alone")
+    first[1].wait(timeout=30)
+    until(lambda: trained_past(out, records(out, "membership")[-1]["step"], world_size=1), {0: first[0]}, 90,
+          "a step alone")  # fmt: skip
     again = hosts.start(1, *how(1, "1:2", program))
-    out0, err0 = first[1].communicate(timeout=120)
+    out0, err0 = first[0].communicate(timeout=120)
     _, err1 = again.communicate(timeout=60)
-    assert (first[1].returncode, again.returncode) == (0, 0), f"host 0: {err0}\nhost 1: {err1}"
+    assert (first[0].returncode, again.returncode) == (0, 0), f"host 0: {err0}\nhost 1: {err1}"
     return out0, err0
 
 
