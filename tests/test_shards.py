@@ -53,7 +53,7 @@ from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, epo
 from multicard.data.loading.workers import SourceImages
 from multicard.data.sources.shards import INDEX, PARTIAL, RUN, WINDOW, ShardSamples, local_order, order_of
 from multicard.runtime.process_group import cpu_cores
-from multicard.tools.pack import PackOptions, pack, run_pack, verify_pack
+from multicard.tools.pack import PackOptions, pack, plan_chunks, run_pack, verify_pack
 
 CIFAR = Path("/work/shared/data/cifar10/train")
 CLASSES = ("airplane", "cat", "dog")
@@ -507,7 +507,19 @@ def photos(split, root, block_at=100):
 
 
 @pytest.mark.slow
-def test_sigint_mid_pack_then_rerun_continues_to_a_complete_verified_pack(folder, tmp_path):
+def packed_chunks(out: Path) -> int:
+    return len(list((out / PARTIAL).glob("*-*.json")))
+
+
+def chunks_planned(out: Path) -> int:
+    plan = out / PARTIAL / "plan.json"
+    return len(plan_chunks(json.loads(plan.read_text())["sizes"])) if plan.is_file() else -1
+
+
+@pytest.mark.parametrize("when", ["a first chunk is packed", "every other chunk is packed"])
+def test_sigint_mid_pack_then_rerun_continues_to_a_complete_verified_pack(folder, tmp_path, when):
+    """One packing process blocks in the dataset; SIGINT comes while the other packs, or waits idle for
+    work (then it holds the pool's task queue: the pool must still end)."""
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "blocking.py").write_text(BLOCKING)
     os.mkfifo(tmp_path / "fifo")
@@ -515,7 +527,10 @@ def test_sigint_mid_pack_then_rerun_continues_to_a_complete_verified_pack(folder
     args = ["pack", "--out", str(out), "--workers", "2", "data.name=blocking:photos", f"data.kwargs={{root: {folder}}}"]
     env = {"PYTHONPATH": str(tmp_path / "code")}
     proc = start(*args, env={**env, "MCPACK_BLOCK": str(tmp_path / "fifo")})
-    wait_for(lambda: any((out / ".partial").glob("train-*.json")), what="a first packed chunk")
+    if when == "a first chunk is packed":
+        wait_for(lambda: packed_chunks(out) > 0, what=when)
+    else:
+        wait_for(lambda: packed_chunks(out) == chunks_planned(out) - 1, what=when)
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
