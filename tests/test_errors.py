@@ -22,7 +22,7 @@ from conftest import RUNNING, TINY, cli, load_checkpoint, one_line, start, wait_
 from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoints_in, load_file
 from multicard.cli.main import main
-from multicard.runtime.environment import LAUNCHER_PID
+from multicard.runtime.launch import WORKER_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +73,7 @@ def test_port_in_use(tmp_path, capsys):
         code = main(["train", "--nproc-per-node", "2", "--master-port", str(port), *TINY, f"out_dir={tmp_path}"])
     assert code == 2
     assert f"--master-port {port} is in use" in one_line(capsys.readouterr().err)
+    assert not set(WORKER_VARIABLES) & set(os.environ)  # a launcher leaves this process's environment as it was
 
 
 @pytest.mark.distributed
@@ -87,11 +88,10 @@ def test_a_taken_rendezvous_port_is_never_a_strangers_store(monkeypatch):
         taken.listen()
         tries = []
         monkeypatch.setattr(launch, "free_port", lambda: tries.append(1) or taken.getsockname()[1])
-        for variable in (LAUNCHER_PID, "TORCHELASTIC_SIGNALS_TO_HANDLE"):
-            monkeypatch.delenv(variable, raising=False)  # launch_workers sets them for its workers
         with pytest.raises(UserError, match="this node cannot host its store there"):
             launch.launch_workers(launch.LaunchOptions(nproc_per_node=2), ["train"])
     assert len(tries) == 3
+    assert not set(launch.WORKER_VARIABLES) & set(os.environ)  # its workers' variables went with it
 
 
 class NanAfter(torch.nn.Module):

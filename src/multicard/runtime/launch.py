@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,14 +403,35 @@ def launch_workers(
     only says which node hosts the rendezvous.
     """
     program = ["-m", module, *worker_argv]
-    os.environ[LAUNCHER_STOP_S] = f"{stop_timeout_s:g}"  # a worker whose launcher dies stops within it too
     relay = StopRelay(stop_timeout_s)
     try:
-        with relay:  # from the start: a signal while waiting for node 0 or the rendezvous is answered too
+        with for_workers_only(), relay:  # from the start: a signal while waiting for node 0 is answered too
+            os.environ[LAUNCHER_STOP_S] = f"{stop_timeout_s:g}"  # a worker whose launcher dies stops within it too
             return _launch(options, program)
     except SignalException:
         # A signal to the launcher: StopRelay has passed it on and the workers have ended.
         return relay.report(training=module == "multicard" and worker_argv[:1] in (["train"], ["run"]))
+
+
+# ours, and torch's agent's own (it sets the signals its workers handle in its process's environment)
+WORKER_VARIABLES = (LAUNCHER_STOP_S, LAUNCHER_PID, NODE_RANGE, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                    "TORCHELASTIC_SIGNALS_TO_HANDLE")  # fmt: skip
+
+
+@contextlib.contextmanager
+def for_workers_only() -> Iterator[None]:
+    """The variables the launcher sets for its workers (torch's agent gives them this process's
+    environment) are unset again when it returns: a process that launches, then starts other
+    programs (a test suite, a notebook), must not pass them on as though it were still a launcher."""
+    before = {name: os.environ.get(name) for name in WORKER_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> int:
