@@ -1,5 +1,5 @@
-"""One way to assemble a run (run/assembly.py), and its preflight made once, where it
-belongs (run/preflight.py): by multicard's launcher before it starts workers, else by the
+"""One way to assemble a run (assembly/parts.py), and its preflight made once, where it
+belongs (assembly/preflight.py): by multicard's launcher before it starts workers, else by the
 training process itself."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-import multicard.run.preflight as preflight
+import multicard.assembly.preflight as preflight
 from conftest import TINY
 from multicard.base.config import load_config
 from multicard.cli import commands

@@ -1,17 +1,16 @@
-"""What a run is made of can be changed in one place: the loss is one argument of the Trainer,
-and a checkpoint holds every component registered on the loop."""
+"""What a run is made of can be changed in one place: the loss is one argument of `multicard train`'s
+recipe, and a checkpoint holds every component registered with the run (run.register)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import TINY
 from multicard.base.config import load_config
-from multicard.checkpoint import Checkpointer
-from multicard.engine.trainer import Trainer
-from multicard.run.assembly import Assembly
-from multicard.runtime.environment import ProcessEnv
+from multicard.base.errors import UserError
+from multicard.recipes import ImageClassifier
 
 
 class Tally:
@@ -27,21 +26,23 @@ class Tally:
         self.seen = int(state["seen"])
 
 
-def test_a_component_registered_on_the_loop_is_saved_and_resumed(tmp_path):
+def test_a_component_registered_with_the_run_is_saved_and_resumed(tmp_path):
     cfg = load_config(None, [*TINY, "train.max_steps=2", f"out_dir={tmp_path}"])
-    with Assembly(cfg, ProcessEnv("none")) as s:
-        tally = s.trainer.loop.components["tally"] = Tally()
-        s.trainer.fit(until=2, validate=False)
+    with ImageClassifier(cfg, evaluate=False) as recipe:
+        tally = Tally()
+        recipe.run.register("tally", tally)
         tally.seen = 37
-        Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.facts).save(s.trainer.loop)
-    with Assembly(cfg, ProcessEnv("none")) as s:
-        fresh = s.trainer.loop.components["tally"] = Tally()
-        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.facts)
-        checkpointer.restore(checkpointer.choose("auto"), s.trainer.loop)
-        assert fresh.seen == 37 and s.trainer.position.global_step == 2
+        recipe.train()  # its last checkpoint, at step 2, holds the tally
+    with ImageClassifier(cfg, evaluate=False) as recipe:  # the same run again: it resumes, complete
+        fresh = Tally()
+        recipe.run.register("tally", fresh)
+        with pytest.raises(UserError, match="a checkpoint part of that name exists"):
+            recipe.run.register("tally", Tally())
+        recipe.train()
+        assert fresh.seen == 37 and recipe.run.position.global_step == 2
 
 
-def test_the_loss_is_one_argument_of_the_trainer(tmp_path):
+def test_the_loss_is_one_argument_of_the_recipe(tmp_path):
     cfg = load_config(None, [*TINY, "train.max_steps=2", f"out_dir={tmp_path}"])
     calls = []
 
@@ -49,9 +50,7 @@ def test_the_loss_is_one_argument_of_the_trainer(tmp_path):
         calls.append((logits.shape, target.shape))
         return F.multi_margin_loss(logits, target)
 
-    with Assembly(cfg, ProcessEnv("none")) as s:
-        t = s.trainer
-        trainer = Trainer(s.strategy, t.model, t.optimizer, t.scheduler, t.train_loader, None, t.schedule, loss=hinge)
-        trainer.fit(until=2, validate=False)
+    with ImageClassifier(cfg, loss=hinge, evaluate=False) as recipe:
+        recipe.train()
     batch = cfg.train.global_batch_size
     assert calls == [(torch.Size([batch, 10]), torch.Size([batch]))] * 2

@@ -9,9 +9,9 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from conftest import LEARN, TINY, cli, load_checkpoint, max_rel_diff, requires_2_gpus, run_here
+from multicard.assembly.process import start_process
 from multicard.base.config import load_config
 from multicard.base.errors import UserError
-from multicard.run.session import start_process
 from multicard.runtime import process_group
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.process_group import ProcessContext

@@ -266,6 +266,32 @@ def test_state_a_checkpoint_cannot_hold_and_options_that_set_an_argument_are_one
         multicard.Run("unused", global_batch_size=4, options={"train.grad_accum": 2})
 
 
+def test_the_data_layers_loader_and_registered_components_are_one_line_when_misused(run):
+    from multicard.base.config import load_config
+    from multicard.data import build_data
+
+    d = load_config(None, ["data.train_size=16", "data.val_size=8", "data.image_size=8"]).data
+    data = build_data(d, 0, run.batch_split, run.context)  # multicard train's data, for this run
+    try:
+        with pytest.raises(UserError, match=r"run.loader\(data\): a multicard.data.Data with training data brings"):
+            run.loader(data, num_workers=2)
+        run.loader([torch.zeros(2)] * 8)
+        with pytest.raises(UserError, match=r"run.loader\(data\): give the data layer's loader first"):
+            run.loader(data)
+    finally:
+        data.close()
+    with pytest.raises(UserError, match=r"run.register\('ema', \.\.\.\) takes an object with state_dict\(\)"):
+        run.register("ema", object())
+    with pytest.raises(UserError, match=r"run.register\('state', \.\.\.\): a checkpoint part of that name exists"):
+        run.register("state", torch.nn.Linear(1, 1))
+    model = torch.nn.Linear(2, 1)
+    run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in run.epochs(1):
+        with pytest.raises(UserError, match=r"run.register\(...\) after run.epochs\(...\) started"):
+            run.register("ema", torch.nn.Linear(1, 1))
+        break
+
+
 @pytest.mark.distributed  # its fixture trains under ddp×2 too
 def test_eval_refuses_and_export_writes_a_checkpoint_of_a_scripts_loop(uninterrupted, tmp_path, capsys):
     from multicard.cli.main import main

@@ -19,12 +19,9 @@ from multicard.base.config import MixConfig
 from multicard.cli.main import main
 from multicard.data.augmentation.mixing import StepMix, mixing
 from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, copies_in_a_micro_batch, repeats_note
-from multicard.engine.meters import TrainMeter
-from multicard.engine.phases import PhaseClock
-from multicard.runtime.process_group import ProcessContext
-from multicard.strategy.base import ModelSetup, Strategy
+from multicard.recipes import classifier
+from multicard.recipes.classifier import train_top1
 from multicard.strategy.models import PatchWhitening, patch_moments
-from multicard.strategy.precision import Precision
 from multicard.strategy.syncbn import GlobalBatchNorm2d
 
 
@@ -133,14 +130,12 @@ def test_global_batchnorm_over_2_ranks_equals_one_process_when_the_mean_dwarfs_t
 
 
 def test_train_top1_under_mixing_scores_the_mixed_targets():
-    ctx = ProcessContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
-    meter = TrainMeter(Strategy(ctx, Precision("fp32", "cpu"), ModelSetup()), PhaseClock(ctx.device))
     logits = torch.tensor([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]])  # predicts 1, 0, 2
     targets = torch.tensor([[0.3, 0.7, 0.0], [0.3, 0.7, 0.0], [0.0, 0.6, 0.4]])  # λ own + (1 − λ) partner
-    meter.add(torch.tensor(1.0), logits, targets)
-    meter.add(torch.tensor(1.0), logits, torch.tensor([1, 1, 2]))  # unmixed: class indices, as before
-    meter.reduce()
-    assert meter.epoch.correct == pytest.approx(0.7 + 0.3 + 0.4 + 2) and meter.epoch.count == 6
+    mixed = train_top1(logits, targets)  # percent of the micro-batch of 3
+    unmixed = train_top1(logits, torch.tensor([1, 1, 2]))  # class indices, as before
+    correct, count = (mixed + unmixed).item() * 3 / 100, 2 * len(logits)
+    assert correct == pytest.approx(0.7 + 0.3 + 0.4 + 2) and count == 6
 
 
 # ------------------------------------------------------------------ copies, pairs, micro-batches
@@ -203,8 +198,8 @@ def test_copies_share_a_micro_batch_exactly_when_it_holds_more_than_b_over_k():
 
 def test_a_mixed_repeated_run_notes_its_copies_and_scores_the_mixed_targets(tmp_path, monkeypatch):
     seen = []
-    add = TrainMeter.add
-    monkeypatch.setattr(TrainMeter, "add", lambda self, loss, logits, t: (seen.append(t), add(self, loss, logits, t)))
+    values = classifier.train_values  # what the recipe logs of each micro-step (its targets: mixed ones here)
+    monkeypatch.setattr(classifier, "train_values", lambda loss, out, t: (seen.append(t), values(loss, out, t))[1])
     out = run_here("train", *TINY, "data.repeats=2", "mix.mixup_alpha=0.2", "train.max_steps=2",
                    "data.train_size=64", "data.val_size=16", f"out_dir={tmp_path}")  # fmt: skip
     assert "note: data.repeats=2 puts up to 2 copies of a sample in one process's micro-batch of 32" in out

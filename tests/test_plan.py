@@ -26,7 +26,7 @@ from multicard.base.config import load_config, to_dict, with_overrides
 from multicard.base.errors import UserError
 from multicard.cli.main import main as cli_main
 from multicard.data.loading.sampling import BatchSplit
-from multicard.run.assembly import Assembly
+from multicard.recipes import ImageClassifier
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.process_group import cpu_cores
 from multicard.strategy.models import build_model
@@ -68,16 +68,16 @@ def tensor_bytes(model: StepModel, n: int) -> float:
 def test_fake_trace_predicts_the_real_steps_allocation_peak(tmp_path):
     """The plan's peak (fake tensors, nothing allocated) against the profiler's allocation peak of
     the same config's real steps, in multicard's own loop."""
-    cfg = load_config(None, [*SMALL, "train.global_batch_size=64", "devices=cpu",
+    cfg = load_config(None, [*SMALL, "train.global_batch_size=64", "devices=cpu", "train.max_steps=2",
                              "strategy=single", f"out_dir={tmp_path}"])  # fmt: skip
     facts = data_facts(cfg.data, cfg.seed)
     model = step_model(cfg, facts.num_classes)
     predicted = peak(model, Layout("single"), 64, {"loader": float(facts.decoded_bytes(32))}).tensors
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with Assembly(cfg, ProcessEnv("none")) as s:
-            s.trainer  # noqa: B018 -- built before the measured steps
+        # multicard train's recipe, built before the measured steps
+        with ImageClassifier(cfg, env=ProcessEnv("none"), evaluate=False, records=False, checkpoints=False) as recipe:
             with record_function("steps"):
-                s.trainer.fit([], until=2, validate=False)
+                recipe.train()
     measured, _ = window_peak(prof, "steps")
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
 

@@ -30,7 +30,7 @@ from multicard.data.augmentation.mixing import BatchMix
 from multicard.data.augmentation.policies import sample_policy
 from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
 from multicard.data.loading.sampling import repeated_order
-from multicard.engine.ema import WeightAverage
+from multicard.recipes import WeightAverage
 from multicard.strategy.optim import lr_factor
 from multicard.tools.verify.checks import check_coverage
 
@@ -211,11 +211,11 @@ def test_weight_average_is_torchs_ema_and_swaps_in_and_out():
         model(torch.randn(8, 4)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        average.update(model, step)
+        average.update(step)
         if step % 2 == 0:
             reference.update_parameters(model)
     own = {k: v.clone() for k, v in model.state_dict().items()}
-    with average.swapped_in(model):
+    with average.swapped_in():
         for name, value in reference.module.state_dict().items():
             if value.is_floating_point():
                 assert torch.allclose(model.state_dict()[name], value, atol=1e-7), name

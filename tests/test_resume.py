@@ -23,10 +23,10 @@ from conftest import (
     wait_for,
     worker_pid,
 )
-from multicard.base.config import load_config
-from multicard.checkpoint import Checkpointer, checkpoints_in, load_file
+from multicard.base.config import load_config, to_dict
+from multicard.checkpoint import Checkpointer, RunFacts, checkpoints_in, load_file
 from multicard.cli.main import main
-from multicard.run.assembly import Assembly
+from multicard.recipes import ImageClassifier
 from multicard.runtime.environment import ProcessEnv
 
 pytestmark = pytest.mark.distributed
@@ -126,11 +126,13 @@ def test_resume_never_starts_afresh(tmp_path):
 
 def test_rotation_keeps_last_k_and_best(tmp_path):
     cfg = load_config(None, [*TINY, "checkpoint.keep_last=2", f"out_dir={tmp_path}"])
-    with Assembly(cfg, ProcessEnv("none")) as s:
-        checkpointer = Checkpointer(tmp_path, s.strategy, cfg.checkpoint, s.facts)
+    with ImageClassifier(cfg, env=ProcessEnv("none"), records=False, checkpoints=False) as recipe:
+        loop, strategy = recipe.run.training.loop, recipe.run.parts.strategy  # the run's, not yet begun
+        facts = RunFacts(to_dict(cfg), recipe.data.classes, recipe.batches.steps_per_epoch, 1, recipe.data.fingerprint)
+        checkpointer = Checkpointer(tmp_path, strategy, cfg.checkpoint, facts)
         for step, best in [(5, True), (10, False), (15, True), (20, False), (25, False)]:
-            s.trainer.position.global_step = step
-            checkpointer.save(s.trainer, best=best)
+            recipe.run.position.global_step = step
+            checkpointer.save(loop, best=best)
     assert [p.name for p in checkpoints_in(tmp_path)] == ["step-000000025.pt", "step-000000020.pt"]
     assert load_file(tmp_path / "last.pt")["step"] == 25
     assert load_file(tmp_path / "best.pt")["step"] == 15  # outlives its rotated step file

@@ -60,8 +60,8 @@ def stalled(launcher, tmp_path: Path, since: float) -> tuple[str, float]:
     "fault, expected",
     [
         # smallcnn has BatchNorm: DDP broadcasts its buffers at the start of each forward, a collective
-        ("data", r"rank 1 in data loading \(engine/trainer\.py:\d+\); rank 0 wait in a collective during forward"),
-        ("skip", r"rank 1 between steps \(engine/trainer\.py:\d+\); rank 0 wait in the metrics \(or stop\) all-reduce"),
+        ("data", r"rank 1 in data loading \(run/loading\.py:\d+\); rank 0 wait in a collective during forward"),
+        ("skip", r"rank 1 between steps \(run/logbook\.py:\d+\); rank 0 wait in the metrics \(or stop\) all-reduce"),
     ],
 )
 def test_a_blocked_rank_is_named_with_its_phase_and_line(tmp_path, fault, expected):

@@ -3,8 +3,8 @@
 - no import cycle among multicard's modules (imports inside functions and under TYPE_CHECKING count);
 - no module imports one of a layer above its own (the order of DESIGN.md's "Layers", in LAYERS);
 - no module imports a `_private` name from another multicard module;
-- every class is at most 200 lines, every function at most 50, and src/multicard holds at most 12
-  modules and packages (the layer folders);
+- every class is at most 200 lines, every function at most 50, and src/multicard holds a folder per
+  layer and its two modules (`__init__`, `__main__`);
 - every `# type: ignore` of src/multicard names its error code and says why (mypy checks the rest).
 
 An import of `a.b.c` also runs the package `a.b`'s `__init__`: that counts as an import of `a.b`,
@@ -39,7 +39,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("multicard.engine",)),
     ("checkpoint", ("multicard.checkpoint",)),
     ("observe", ("multicard.observe",)),
-    ("run", (ROOT, "multicard.run")),  # the public API, multicard.Run, and how a run is assembled
+    ("assembly", ("multicard.assembly",)),  # the frozen run plan, and the parts built from it
+    ("run", (ROOT, "multicard.run")),  # the public API: multicard.Run, the one training loop's control
+    ("recipes", ("multicard.recipes",)),  # multicard train's classifier, written on multicard.Run
     # the yardsticks are what bench measures against: they depend on nothing of bench's
     ("yardsticks", ("multicard_yardsticks",)),
     ("tools", ("multicard.tools",)),
@@ -225,11 +227,13 @@ def test_every_class_is_at_most_200_lines():
     assert not long, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(long)
 
 
-def test_at_most_12_modules_directly_under_the_package():
-    """A newcomer sees the layers: src/multicard holds folders, one per layer, and few modules (a
-    package counts once)."""
+def test_the_package_holds_a_folder_per_layer_and_its_two_modules():
+    """A newcomer sees the layers: src/multicard holds folders, one per layer of LAYERS, and two
+    modules (the package's `__init__`, the public API, and `__main__`, the command line's)."""
     top = sorted(p.name for p in (SRC / "multicard").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file())
-    assert len(top) <= 12, top
+    folders = {n.split(".")[1] for _, names in LAYERS for n in names if n.startswith("multicard.")} - {"__main__"}
+    assert top == sorted([*folders, "__init__.py", "__main__.py"]), top
+    assert len(top) <= 14, top
 
 
 def test_every_function_is_at_most_50_lines():
@@ -244,23 +248,26 @@ def test_every_function_is_at_most_50_lines():
 def test_the_checks_see_a_cycle_an_upward_import_and_a_private_name():
     """The readers above on a made-up graph and map: they are not blind."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
-    cli, tool, engine = "multicard.cli.main", "multicard.tools.plan.planner", "multicard.engine.trainer"
-    assert layer_of(cli) > layer_of(tool) > layer_of(engine)
+    cli, tool, engine = "multicard.cli.main", "multicard.tools.plan.planner", "multicard.engine.loop"
+    recipe, api, assembly = "multicard.recipes.classifier", "multicard.run.run", "multicard.assembly.parts"
+    assert layer_of(cli) > layer_of(tool) > layer_of(recipe) > layer_of(api) > layer_of(assembly) > layer_of(engine)
     assert layer_of("multicard.nowhere") is None and layer_of("multicard") == layer_of("multicard.run")
     assert layer_of("multicard.data.loading.sampling") == layer_of("multicard.data")
 
 
 def test_one_module_runs_backward():
-    """The loop (multicard.engine.loop) is the one place a backward pass is written: train, a user's loop
-    (multicard.Run) and every tool that times a step go through it. (The yardsticks, hand-written
-    loops that bench compares with, are another package.)"""
+    """The loop (multicard.engine.loop) is the one place a backward pass is written: a user's loop and
+    `multicard train`'s recipe (multicard.Run's `run.backward`, not a backward pass of its own) and
+    every tool that times a step go through it. (The yardsticks, hand-written loops that bench
+    compares with, are another package.)"""
     callers = set()
     for name, path in modules().items():
         if not name.startswith("multicard."):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
-                callers.add(name)
+                if receiver(node.func) != "run":
+                    callers.add(name)
     assert callers == {"multicard.engine.loop"}, callers
 
 
@@ -306,14 +313,80 @@ def calls_of(*functions: str) -> dict[str, dict[str, int]]:
 
 def test_a_run_is_assembled_in_one_place():
     """The checkpointer and the sinks of a run (console, metrics.jsonl, TensorBoard, trackers) are
-    made by run.assembly.Assembly alone (train, eval, bench, verify, plan and multicard.Run take
-    them from it), and a training run's preflight is called from two places: multicard's launcher,
-    and a training process that no launcher of multicard's started."""
+    made by the assembly alone (assembly/parts.py: multicard.Run takes them from it, and train, bench,
+    verify and plan run on multicard.Run), and a training run's preflight is called from two places:
+    multicard's launcher, and the assembly of a run that no launcher of multicard's checked."""
     made = ("Checkpointer", "Reporter", "TrainingLog", "TensorBoardLog", "TrackerLog")
     calls = calls_of(*made, "preflight", "check_training_run")
-    assert {cls: calls[cls] for cls in made} == {cls: {"multicard.run.assembly": 1} for cls in made}, calls
-    assert calls["preflight"] == {"multicard.cli.main": 1, "multicard.cli.commands": 1}
-    assert calls["check_training_run"] == {"multicard.run.preflight": 1}
+    assert {cls: calls[cls] for cls in made} == {cls: {"multicard.assembly.parts": 1} for cls in made}, calls
+    assert calls["preflight"] == {"multicard.cli.main": 1, "multicard.assembly.parts": 1}
+    assert calls["check_training_run"] == {"multicard.assembly.preflight": 1}
+
+
+def test_tools_and_the_command_line_drive_training_through_the_public_api():
+    """tools/ and cli/ import nothing of the engine or the assembly (the launcher's checks,
+    assembly/preflight.py, aside: they are made before any worker exists), and take multicard.Run,
+    its callbacks and the recipes from their packages' public names (`multicard.run`,
+    `multicard.recipes`), never from a module inside."""
+    known, inside = modules(), []
+    for name, path in known.items():
+        if not name.startswith(("multicard.tools", "multicard.cli")):
+            continue
+        for imp in imports_of(name, path, known):
+            target = imp.target
+            if target == "multicard.assembly.preflight" and name.startswith("multicard.cli"):
+                continue
+            if target.startswith(("multicard.engine", "multicard.assembly", "multicard.run.", "multicard.recipes.")):
+                inside.append(f"{imp.where()} imports {target}")
+            for package in ("multicard.run", "multicard.recipes"):
+                if target == package and set(imp.names) - public_names(package):
+                    inside.append(f"{imp.where()} imports {sorted(set(imp.names) - public_names(package))}")
+    assert not inside, "imports past the public API:\n" + "\n".join(inside)
+
+
+def receiver(func: ast.Attribute) -> str | None:
+    """The last name of what a method is called on: `run` for run.backward(...), self.run.step(...)."""
+    value = func.value
+    return value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else None
+
+
+def scopes_calling(*methods: str) -> dict[str, set[str]]:
+    """For each method (`name`, or `receiver.name`: called on a thing of that name): the classes
+    (module.Class) or functions (module.function) of multicard whose code calls it."""
+    found: dict[str, set[str]] = {m: set() for m in methods}
+    for name, path in modules().items():
+        if not name.startswith("multicard."):
+            continue
+        for top in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(top, (ast.ClassDef, ast.FunctionDef)):
+                continue
+            for node in ast.walk(top):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    for key in (node.func.attr, f"{receiver(node.func)}.{node.func.attr}"):
+                        if key in found:
+                            found[key].add(f"{name}.{top.name}")
+    return found
+
+
+def test_one_meter_one_evaluator_and_one_training_loop_control():
+    """One class keeps a run's statistics and writes its records (run/logbook.py: the Logbook that
+    run.log feeds, `multicard train`'s recipe too), one function evaluates (run/evaluation.py:
+    evaluate_sums, behind run.evaluate and `multicard eval`), and one class controls the training
+    loop (run/training.py: Training ends the steps, advances the epochs and tells the callbacks)."""
+    classes = [node for path in SRC.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef)]  # fmt: skip
+    assert not {c.name for c in classes} & {"Trainer", "TrainMeter", "Runtime"}
+    records = {c.name for c in classes for f in c.body if getattr(f, "name", None) in ("step_record", "epoch_record")}
+    assert records == {"Logbook"}, records
+    calls = scopes_calling("step_record", "epoch_record", "loop.end_step", "count_step", "on_epoch_end", "eval")
+    assert calls["step_record"] | calls["epoch_record"] == {"multicard.run.training.Training"}, calls
+    assert calls["loop.end_step"] == {"multicard.run.training.Training"}, calls
+    assert calls["count_step"] == {"multicard.run.stepping.Steps"}, calls  # Training's steps
+    # the loop's epoch ends: told by Training, and passed on by callbacks that wrap others (trackers)
+    assert {c for c in calls["on_epoch_end"] if not c.startswith("multicard.observe.")} == {
+        "multicard.run.training.Training"}, calls  # fmt: skip
+    # a model in evaluation mode: the evaluator, and the size check of a model before training
+    assert calls["eval"] == {"multicard.run.evaluation.evaluate_sums", "multicard.strategy.models.check_input_size"}
 
 
 def test_tools_use_the_strategies_and_checkpoints_through_their_packages():

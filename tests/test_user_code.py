@@ -21,7 +21,7 @@ from PIL import Image
 
 from conftest import cli, final_params, one_line, run_here, start
 from multicard.base.config import load_config
-from multicard.base.errors import UserError
+from multicard.base.errors import Stopped, UserError
 from multicard.cli.main import main
 from multicard.data import build_data, read_splits
 from multicard.data.loading.sampling import BatchSplit
@@ -30,7 +30,7 @@ from multicard.data.sources.ranks import check_same_across_ranks, summary
 from multicard.data.sources.user import read_item
 from multicard.observe.telemetry import DataBound, Reporter, TrainingLog
 from multicard.observe.tracking import TRACKERS, MlflowRun
-from multicard.run.assembly import Assembly
+from multicard.recipes import ImageClassifier
 from multicard.runtime.environment import ProcessEnv
 from multicard.runtime.exits import EXIT_GRACE_S
 from multicard.runtime.process_group import ProcessContext
@@ -220,10 +220,12 @@ def test_a_thread_a_dataset_function_leaves_running_does_not_keep_the_process_al
 
 def test_a_dataset_module_that_ignores_sigterm_keeps_the_graceful_stop(modules, tmp_path, capsys):
     cfg = load_config(None, [*RUN, "data.name=ignores_sigterm:squares", f"out_dir={tmp_path}"])
-    with Assembly(cfg, ProcessEnv(source="none")) as s:
-        s.trainer  # noqa: B018 -- the run is built (its data module imported) before the signal
+    with pytest.raises(Stopped) as stopped, ImageClassifier(cfg, env=ProcessEnv(source="none")) as recipe:
+        assert recipe.data.train is not None  # the run is built (its data module imported) before the signal
         signal.raise_signal(signal.SIGTERM)  # ignored before: the run would have trained on
-        assert s.trainer.loop.stop is not None and s.trainer.loop.stop.signum == signal.SIGTERM
+        recipe.train()
+    assert stopped.value.signum == signal.SIGTERM and stopped.value.step <= 2  # it stopped, with a checkpoint
+    assert (tmp_path / "checkpoints" / "last.pt").exists()
     err = capsys.readouterr().err
     assert one_line(err) == (
         "multicard: warning: data.name=ignores_sigterm:squares changed the handler of SIGTERM (multicard put back the "

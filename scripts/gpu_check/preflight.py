@@ -24,7 +24,7 @@ MISSING, NO_CUDA = 3, 4
 # Every step's script (they import the rest of multicard and torch), and the modules the steps'
 # subprocesses import beyond them (`multicard train`/`eval`, fsdp, compile).
 MODULES = ["torch", "torchvision", "numpy", "PIL", "yaml", "omegaconf", "rich", "multicard.cli.main",
-           "multicard.cli.commands", "multicard.run.session", "multicard.strategy.fsdp", "multicard.checkpoint",
+           "multicard.cli.commands", "multicard.recipes.classifier", "multicard.strategy.fsdp", "multicard.checkpoint",
            "multicard.data.decoding.gpu_decode", "multicard.tools.plan.planner", "multicard.tools.plan.worker", "torch._dynamo",
            "torch.distributed.checkpoint", "torch.utils.flop_counter"]  # fmt: skip
 STEP_SCRIPTS = ["throughput", "proofs", "matrix", "gpu_decode", "plan_check", "summary"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from multicard.base.config import Config
-from multicard.engine.phases import StepClock, summary_ms
+from multicard.runtime.clock import StepClock, summary_ms
 from multicard.runtime.environment import detect_env
 from multicard_yardsticks.plain import device_batches, device_for, model_for, optimizer_for, set_threads
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from multicard.base.config import Config
 from multicard.data.sources.synthetic import make_synthetic
-from multicard.engine.phases import StepClock, summary_ms
+from multicard.runtime.clock import StepClock, summary_ms
 from multicard.runtime.environment import detect_env
 from multicard.runtime.process_group import threads_per_process
 from multicard.strategy.models import build_model

@@ -45,7 +45,6 @@ def _mark() -> None:
 
 def _install() -> None:
     from multicard.data.loading.device import DeviceTrainLoader
-    from multicard.engine.trainer import Trainer
 
     after = int(os.environ.get("MULTICARD_FAULT_STEP", "5"))
     if FAULT in ("data", "slow-data"):
@@ -92,14 +91,16 @@ def _install() -> None:
 
             Checkpointer.on_stop = on_stop
     elif FAULT == "skip":
-        original_reduce = Trainer.reduce_statistics
+        from multicard.run.logbook import Logbook  # the run's one meter: its reduction of the records
 
-        def reduce_statistics(self):
-            if self.position.global_step >= after:
+        original_reduce = Logbook.reduce
+
+        def reduce(self):
+            if self.loop.position.global_step >= after:
                 _block()  # never enters the all-reduce the other ranks wait in
             return original_reduce(self)
 
-        Trainer.reduce_statistics = reduce_statistics
+        Logbook.reduce = reduce
 
 
 def _die_in_a_durable_write(step: int) -> None:

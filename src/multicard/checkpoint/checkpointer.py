@@ -51,7 +51,7 @@ from multicard.engine.phases import CHECKPOINT, IDLE
 if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
     from multicard.strategy.base import Strategy
 
-# The parts of the trainer's state a checkpoint holds at its top level (what eval, export and
+# The parts of the loop's state a checkpoint holds at its top level (what eval, export and
 # fine-tuning read); the rest (position, random streams) is under "resume", with the run's facts.
 # ema: where the run keeps one; models, optimizers, schedulers: a run's others (multicard.Run)
 TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "ema", "models", "optimizers", "schedulers")
@@ -211,7 +211,7 @@ class Checkpointer(Callback):
             self.say(f"train.resume=never: removed {len(old)} checkpoint(s) of an earlier run in {self.store.url}")
 
     def restore(self, path: Path | str, loop: Loop) -> dict[str, Any]:
-        """Check that this run can continue `path`, then load it into the trainer; its contents."""
+        """Check that this run can continue `path`, then load it into the loop; its contents."""
         with readable(str(path), "train.resume") as local:
             fmt = format_of(local)
             meta = fmt.read_meta(local)
@@ -292,7 +292,7 @@ class Checkpointer(Callback):
             if name != self._best:
                 self.store.retire(name)
 
-    # ------------------------------------------------------------ cadence (Trainer callbacks)
+    # ------------------------------------------------------------ cadence (the loop's callbacks)
 
     def on_step_end(self, loop: Loop, step: StepEnd) -> None:
         every = self.options.every_steps

@@ -34,11 +34,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from multicard.assembly.preflight import check_output_folder, preflight
 from multicard.base.config import Config, check_world_sizes, load_config, parse_devices
 from multicard.base.errors import ExitCode, MulticardError, UserError
 from multicard.base.locations import canonical, check_location
 from multicard.base.version import __version__
-from multicard.run.preflight import check_output_folder, preflight
 from multicard.runtime.environment import ProcessEnv, detect_env, node_range, node_topology
 from multicard.runtime.exits import die_with_launcher, report_error, run_to_the_end
 from multicard.runtime.launch import LaunchOptions, check_cpu_capacity, launch_workers, rendezvous_conf
@@ -324,7 +324,11 @@ def _train(args: argparse.Namespace) -> int:
         check_cpu_capacity(options.nproc_per_node, options.oversubscribe)
     worker_argv = ["train", *(["--config", args.config] if args.config else []), *args.overrides]
     with preflight(cfg, hold_lock=options.node_rank == 0) as lock:  # node 0 holds it for the whole job
-        code = launch_workers(options, worker_argv, stop_timeout_s=cfg.checkpoint.stop_timeout_s)
+        try:
+            code = launch_workers(options, worker_argv, stop_timeout_s=cfg.checkpoint.stop_timeout_s)
+        except UserError:
+            lock.refused()
+            raise
         if code == ExitCode.BAD_INPUT:
             lock.refused()  # leaves out_dir as it found it (what a run wrote before failing stays)
         return code

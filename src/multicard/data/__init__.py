@@ -1,4 +1,4 @@
-"""Datasets and loaders: `build_data` is the one entry point the engine uses.
+"""Datasets and loaders: `build_data` is the one entry point a run uses (the classifier recipe).
 
 This package is the data layer's public surface (`__all__`): the tools and the command line import
 from `multicard.data` only, never its stage folders (sources, decoding, augmentation, loading), so
@@ -21,6 +21,7 @@ from multicard.base.errors import UserError
 from multicard.base.host_memory import available_memory
 from multicard.base.store import open_store
 from multicard.data.augmentation.device_transform import Augment, DeviceTransform, Finish
+from multicard.data.augmentation.mixing import mixing
 from multicard.data.augmentation.policies import sample_policy
 from multicard.data.augmentation.progressive import ProgressiveSize, progressive_size
 from multicard.data.augmentation.transforms import FitSquare, RandomResizedCropFlip, is_small
@@ -63,6 +64,8 @@ __all__ = [
     # loaders
     "build_data", "Data", "BatchSplit", "repeats_note", "loader_processes", "loader_for", "capped_to_cores",
     "to_device", "is_small", "default_cache_dir",
+    # what a recipe does with a loader's batches: mixup and CutMix, per global batch
+    "mixing",
 ]  # fmt: skip
 
 VAL_SEED_OFFSET = 7919  # the synthetic validation set is drawn from a stream apart from training's

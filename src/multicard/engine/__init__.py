@@ -1,2 +1,2 @@
-"""The one training loop (loop.py) and the command line's classifier trainer on it, meters, phase timing,
-the weights' EMA."""
+"""The one training step (loop.py: micro-steps, backward, clip, step, schedule; stateful, with
+callbacks), its phase timing, and what records are made of (meters.py)."""

@@ -1,5 +1,5 @@
-"""The one training step, shared by the command line's classifier loop (trainer.Trainer) and a
-user's own loop (multicard.Run).
+"""The one training step: what multicard.Run's backward and step do (run/stepping.py), for a
+user's own loop and for `multicard train`'s classifier recipe, which is written on multicard.Run.
 
 A step is `grad_accum` micro-steps whose gradients are reduced on the last one only (the
 strategy's no_sync on the others), the loss scaled for accumulation and for fp16, then clipping,
@@ -21,57 +21,22 @@ keyed by their order of setup. Callbacks are told of the loop's events and recei
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 import torch.nn as nn
 
 from multicard.base.errors import Stopped, UserError
 from multicard.engine.phases import BACKWARD, COMMUNICATION, IDLE, OPTIMIZER, REDUCING, PhaseClock, StepTimes
+from multicard.runtime.seeding import own_streams, rng_state, set_rng_state
 from multicard.runtime.stopping import GracefulStop
 
 if TYPE_CHECKING:  # annotations only: the strategies import torch's sharding stack
     from multicard.engine.meters import EvalResult
     from multicard.strategy.base import Strategy
-
-OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")  # param-group entries that choose kernels, not maths
-
-
-# ---------------------------------------------------------------- random streams as tensors
-# Stored as tensors and plain Python values only, so checkpoints load with torch's safe
-# (weights-only) unpickler.
-
-
-def rng_state() -> dict[str, Any]:
-    # legacy=True (the default): the MT19937 tuple, not the dict of other bit generators
-    _, keys, pos, has_gauss, gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
-        "python": random.getstate(),
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    random.setstate(state["python"])
-
-
-def own_streams(streams: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's random streams among every rank's saved: at the same world size each rank continues
-    its own; otherwise rank 0's seed them all."""
-    return streams[rank] if len(streams) == world_size else streams[0]
-
 
 def load_keeping_kernels(
     strategy: Strategy, model: nn.Module, optimizer: Any, model_state: Any, optim_state: Any
@@ -79,6 +44,8 @@ def load_keeping_kernels(
     """Load model and optimizer state (`optimizer` [] with `optim_state` {}: the model's alone). How
     this run computes the update (fused kernels or not) is its own choice, not the checkpoint's: a
     fused kernel saved by one strategy may not exist for another's tensors."""
+    from multicard.strategy.optim import OPTIMIZER_KERNEL_KEYS  # with torch's sharding stack: on first use
+
     groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else []
     kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g} for g in groups]
     strategy.load_state_dicts(model, optimizer, model_state, optim_state)
@@ -96,26 +63,24 @@ class Position:
     epoch: int = 0  # the epoch in progress (or the next one, at an epoch boundary)
     step_in_epoch: int = 0  # optimizer steps of `epoch` already done
     global_step: int = 0
-    best_top1: float = -1.0  # the best validation score so far (top-1, or a user loop's monitored value)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
-        """The position saved in `state` (which may hold more: the meter's epoch sums)."""
+        """The position saved in `state` (which may hold more: the meter's epoch sums; an older
+        checkpoint's best score, which the run's Monitor now keeps)."""
         return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """The loop's fixed settings, derived once from the config (or a Run's arguments) and the data."""
+    """The loop's settings, decided once when the run's loop begins (assembly/plan.py: the run's length)."""
 
     steps_per_epoch: int
     total_steps: int  # optimizer steps of the whole run (train.epochs, cut by train.max_steps)
     grad_accum: int = 1
     log_every: int = 50
-    label_smoothing: float = 0.0
     clip_grad_norm: float = 0.0
-    eval_flip: bool = False  # test-time flip in evaluation
-    epochs: int = 0  # a user's loop: its epochs end the run too (one left early by `break` is shorter); 0: none
+    epochs: int = 0  # run.epochs(n): its epochs end the run too (one left early by `break` is shorter); 0: none
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of `epoch` in this run (the last one may be cut by train.max_steps)."""
@@ -205,6 +170,16 @@ class Stepper:
     model: Trained
     scheduler: Any = None
     params: list[torch.Tensor] = field(default_factory=list)
+    saved: Any = None  # a resumed run's scheduler state, until a scheduler is given (then loaded into it)
+
+    def scheduler_state(self) -> Any:
+        return self.scheduler.state_dict() if self.scheduler is not None else self.saved
+
+    def load_scheduler(self, state: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state)
+        else:
+            self.saved = state
 
 
 # ---------------------------------------------------------------- callbacks
@@ -263,9 +238,9 @@ class Hooks:
 class Loop:
     """The models, optimizers, schedulers and scaler of one run, its position, and the one step."""
 
-    def __init__(self, strategy: Strategy, schedule: Schedule, stop: GracefulStop | None = None) -> None:
+    def __init__(self, strategy: Strategy, stop: GracefulStop | None = None) -> None:
         self.strategy = strategy
-        self.schedule = schedule
+        self._schedule: Schedule | None = None  # set once, when the run's loop begins (`begin`)
         self.stop = stop
         self.scaler = strategy.precision.grad_scaler()
         self.position = Position()
@@ -277,11 +252,15 @@ class Loop:
         self.position_state: list[Stateful] = []  # saved inside the position (the meter's epoch sums)
         self.ending: BaseException | None = None  # what ended training, for on_fit_end (None: it completed)
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any = None) -> None:
-        """The model as the strategy prepared it, and what steps it."""
-        self.add(model, [optimizer] if optimizer is not None else [])
-        if scheduler is not None:
-            self.steppers[-1].scheduler = scheduler
+    @property
+    def schedule(self) -> Schedule:
+        assert self._schedule is not None, "the loop has not begun"
+        return self._schedule
+
+    def begin(self, schedule: Schedule) -> None:
+        """The run's settings, once: from here on the loop steps."""
+        assert self._schedule is None, "a loop begins once"
+        self._schedule = schedule
 
     def add(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Trained:
         """Another model of the run (as the strategy prepared it) and the optimizers that step it."""
@@ -418,7 +397,7 @@ class Loop:
             "scaler": self.scaler.state_dict(),
             "position": position,
             "rng": self.strategy.all_gather_object(rng_state()),
-            **({"scheduler": main.scheduler.state_dict()} if main.scheduler is not None else {}),
+            **({"scheduler": main.scheduler_state()} if main.scheduler_state() is not None else {}),
             **others_state(self, whole),
         }
         return state | {name: part.state_dict(whole) for name, part in self.components.items()}
@@ -430,8 +409,8 @@ class Loop:
         assert main is not None
         check_same_parts(self, state)
         load_keeping_kernels(self.strategy, main.model.bare, main.optimizer, state["model"], state["optimizer"])
-        if main.scheduler is not None and "scheduler" in state:
-            main.scheduler.load_state_dict(state["scheduler"])
+        if "scheduler" in state:
+            main.load_scheduler(state["scheduler"])
         load_others(self, state)
         self.scaler.load_state_dict(state["scaler"])
         self.position = Position.from_state(state["position"])
@@ -462,7 +441,7 @@ def others_state(loop: Loop, whole: bool) -> dict[str, Any]:
     strategy = loop.strategy
     model_states = {key: strategy.state_dicts(t.bare, [], whole)[0] for key, t in models}
     optim_states = {key: strategy.state_dicts(s.model.bare, s.optimizer, whole)[1] for key, s in steppers}
-    schedulers = {key: s.scheduler.state_dict() for key, s in steppers if s.scheduler is not None}
+    schedulers = {key: s.scheduler_state() for key, s in steppers if s.scheduler_state() is not None}
     return {"models": model_states, "optimizers": optim_states, "schedulers": schedulers}
 
 
@@ -485,5 +464,5 @@ def load_others(loop: Loop, state: dict[str, Any]) -> None:
     for key, stepper in optims.items():
         load_keeping_kernels(loop.strategy, stepper.model.bare, stepper.optimizer, state["models"].get(
             str(loop.trained.index(stepper.model)), state["model"]), state["optimizers"][key])
-        if stepper.scheduler is not None and key in state.get("schedulers", {}):
-            stepper.scheduler.load_state_dict(state["schedulers"][key])
+        if key in state.get("schedulers", {}):
+            stepper.load_scheduler(state["schedulers"][key])

@@ -1,21 +1,17 @@
-"""Where each optimizer step spends its time, measured from the trainer's phase changes.
+"""Where each optimizer step spends its time, measured from the loop's phase changes.
 
-The trainer says which phase it enters (data, forward, backward, communication, optimizer);
+The loop says which phase it enters (data, forward, backward, communication, optimizer);
 a phase lasts until the next one starts. On the CPU the marks are wall-clock times. On CUDA
 they are events recorded on the current stream, read only when someone asks for the seconds
 (at a log interval, after the host has synced anyway), so timing costs no extra sync.
 
 `communication` is the exposed part of gradient reduction: from the moment the last gradient
 of the step is computed until backward returns (DDP waits there for its last all-reduce).
-
-Wall-clock timing of whole steps lives here too (`StepClock`), below every tool that measures
-(bench, plan, the yardsticks): each timing waits for the device first (CUDA kernels are
-asynchronous), so a time is what the work cost, not when it was queued.
+(Wall-clock timing of whole steps: runtime/clock.py.)
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +44,10 @@ class StepTimes:
             if phase in out:
                 out[phase] += gap
         return out
+
+    def split_ms(self) -> dict[str, float]:
+        """This step's split as people read it (`split`)."""
+        return split(self.seconds())
 
 
 class PhaseClock:
@@ -93,41 +93,3 @@ def split(seconds: dict[str, float]) -> dict[str, float]:
         "comm_exposed_ms": 1000 * seconds[COMMUNICATION],
         "optimizer_ms": 1000 * seconds[OPTIMIZER],
     }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class StepClock:
-    """Called once per optimizer step; keeps the step times after `warmup` steps."""
-
-    def __init__(self, device: torch.device, warmup: int) -> None:
-        self.device = device
-        self.warmup = warmup
-        self.seen = 0
-        self.times: list[float] = []
-        self._last = time.perf_counter()
-
-    def restart(self) -> None:
-        """The next step's time starts now (not at the last tick): a run's start-up is not a step."""
-        sync(self.device)
-        self._last = time.perf_counter()
-
-    def __call__(self) -> None:
-        sync(self.device)
-        now = time.perf_counter()
-        if self.seen >= self.warmup:
-            self.times.append(now - self._last)
-        self.seen += 1
-        self._last = now
-
-
-def summary_ms(times: list[float]) -> dict[str, float]:
-    """Median and the 10th/90th percentiles of step times, in milliseconds."""
-    ms = sorted(t * 1000 for t in times)
-    if len(ms) == 1:
-        return {"median": ms[0], "p10": ms[0], "p90": ms[0]}
-    deciles = statistics.quantiles(ms, n=10, method="inclusive")
-    return {"median": statistics.median(ms), "p10": deciles[0], "p90": deciles[-1]}

@@ -1,7 +1,7 @@
 """Rank-0 side effects: console, progress bar, metrics.jsonl and TensorBoard.
 
 `Reporter` does its work on the main rank and nothing elsewhere, so nothing else checks ranks
-for output. `TrainingLog` is the trainer callback that reports a run through it (with the
+for output. `TrainingLog` is the loop's callback that reports a run through it (with the
 straggler and data-bound notes), `TensorBoardLog` the one that writes TensorBoard's scalars.
 Errors are not routed here: every rank prints its own (see cli.main).
 """

@@ -313,8 +313,9 @@ class TrackerLog(TensorBoardLog):
         if self.last_val is not None:
             v = self.last_val
             values.update({"final/val_loss": v.loss, "final/val_top1": v.top1, "final/val_top5": v.top5})
-        if loop.position.best_top1 >= 0:  # kept in checkpoints: the best of the whole run
-            values["best/val_top1"] = loop.position.best_top1
+        monitor: Any = loop.components.get("best")  # the run's Monitor (best=KEY): a checkpoint part, so the
+        if monitor is not None and monitor.best is not None:  # best of the whole run, resumes included
+            values[f"best/{monitor.key}"] = monitor.best
         if values:
             step = loop.position.global_step
             self.trackers.each("log the final metrics", lambda run: run.summary(step, values))

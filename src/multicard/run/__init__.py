@@ -1,29 +1,33 @@
-"""The public API for a user's own training loop, `multicard.Run` (run.py), and the `Scores` that
-`run.evaluate` returns (reference: docs/library.md); and how every run is assembled: the preflight
-checks (preflight.py) and the one object that builds a run's parts (assembly.py, from the recipes in
-session.py).
+"""The public API: `multicard.Run` (run.py: a user's own loop, and the loop `multicard train`'s
+recipe runs), the `Scores` that `run.evaluate` returns (reference: docs/library.md), and what the
+loop's callbacks are: `Callback` (its hooks, in the order the run calls them), the `Loop` they
+receive (the run's models, optimizers, position and phase) and `StepEnd` (what a step's end tells).
+The run is assembled below it (multicard.assembly).
 
-Loaded on first use: the launcher imports the preflight checks without the training stack.
+Loaded on first use: `import multicard` stays light.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from multicard.engine.loop import Callback, Loop, StepEnd
     from multicard.run.evaluation import Scores
     from multicard.run.run import Run
 
-__all__ = ["Run", "Scores"]
+_HOME = {
+    "Run": "multicard.run.run",
+    "Scores": "multicard.run.evaluation",
+    "Callback": "multicard.engine.loop",
+    "Loop": "multicard.engine.loop",
+    "StepEnd": "multicard.engine.loop",
+}
+__all__ = ["Callback", "Loop", "Run", "Scores", "StepEnd"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Run":
-        from multicard.run.run import Run
-
-        return Run
-    if name == "Scores":
-        from multicard.run.evaluation import Scores
-
-        return Scores
-    raise AttributeError(f"module 'multicard.run' has no attribute {name!r}")
+    if name not in _HOME:
+        raise AttributeError(f"module 'multicard.run' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)

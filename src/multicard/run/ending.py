@@ -25,6 +25,12 @@ def on_error(cleanup: Callable[[BaseException], None]) -> None:
     _cleanups.append(cleanup)
 
 
+def forget(cleanup: Callable[[BaseException], None]) -> None:
+    """A closed run's cleanup: nothing of it is left to release."""
+    if cleanup in _cleanups:
+        _cleanups.remove(cleanup)
+
+
 def install() -> None:
     """The hook, once per process (a wrapper torch's process group puts around it keeps it)."""
     if any(getattr(hook, "multicard", False) for hook in _hooks_in(sys.excepthook)):

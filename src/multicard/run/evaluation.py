@@ -19,8 +19,12 @@ import torch.nn as nn
 
 from multicard.base.errors import UserError
 from multicard.data.loading.keyed import move_to
+from multicard.data.loading.workers import shutdown_workers
+from multicard.engine.phases import EVALUATION, IDLE, PhaseClock
+from multicard.run.loading import evaluation_batches
 
 if TYPE_CHECKING:
+    from multicard.assembly.parts import Assembly
     from multicard.strategy.base import Strategy
 
 MetricFn = Callable[[nn.Module, Any], dict[str, Any]]
@@ -77,3 +81,20 @@ def evaluate_sums(
     packed = torch.stack([*(totals.get(n, zero) for n in names), torch.tensor(float(samples), device=device).double()])
     reduced = strategy.all_reduce_sum(packed).tolist()
     return Scores({**dict(zip(names, reduced[:-1], strict=True)), "samples": int(reduced[-1])})
+
+
+def evaluate_in(
+    parts: Assembly, clock: PhaseClock, model: nn.Module, dataset: Any, metric_fn: MetricFn, options: tuple[Any, ...]
+) -> Scores:  # fmt: skip
+    """run.evaluate: `model` unwrapped (DDP's forward would wait for the other ranks' forwards) with
+    rank 0's BatchNorm statistics (as checkpoints hold them), over this rank's share of `dataset`."""
+    loader, batches = evaluation_batches(dataset, parts, *options)
+    bare = parts.strategy.unwrap(model)
+    parts.strategy.agree_buffers(bare)
+    clock.set_phase(EVALUATION)
+    try:
+        return evaluate_sums(bare, batches, metric_fn, parts.strategy, clock.tick)
+    finally:
+        clock.set_phase(IDLE)
+        if loader is not None:
+            shutdown_workers(loader)

@@ -1,6 +1,7 @@
-"""`run.loader(dataset)`: this rank's micro-batches of a user's dataset, on the device.
+"""`run.loader(dataset)`: this rank's micro-batches of a user's dataset, on the device; or of the
+data layer's training loader (`run.loader(data)`, a multicard.data.Data: `multicard train`'s recipe).
 
-The sampler is the command line's (data.sampling.ShardedBatchSampler): an epoch's order is a
+The sampler is the data layer's (data/loading/sampling.py: ShardedBatchSampler): an epoch's order is a
 function of (seed, epoch) — shuffled, in the dataset's order, or in contiguous streams — each
 optimizer step takes the same global batch at any world size, a micro-step a contiguous slice
 of it and each rank its part of that slice; a resumed epoch starts at the step it stopped at.
@@ -22,8 +23,10 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import default_collate
 
+from multicard.assembly.plan import DataFacts
 from multicard.base.errors import UserError
-from multicard.data.loading.keyed import KeyedSamples, Transform, move_to
+from multicard.data import Data
+from multicard.data.loading.keyed import KeyedSamples, Transform, check_map_style, move_to
 from multicard.data.loading.sampling import (
     ORDERS,
     BatchSplit,
@@ -52,32 +55,60 @@ class MicroSteps(Protocol):
         """The user's code for the previous step has run (its checkpoint, an agreed stop)."""
 
 
-class Loader:
-    """This rank's micro-batches of the run's current epoch, from `run.loader(dataset)`; iterate it
-    inside `for epoch in run.epochs(N)`, once an epoch."""
+class DatasetBatches:
+    """A user's dataset as an epoch's batches: the sampler's keys, read (in loader processes) and
+    collated, then moved to the device (floating tensors in the run's dtype)."""
 
     def __init__(
         self, dataset: Any, transform: Transform | None, collate_fn: Callable | None, num_workers: int,
-        split: BatchSplit, ctx: ProcessContext, seed: int, steps: MicroSteps, floats: torch.dtype, order: str,
+        split: BatchSplit, ctx: ProcessContext, seed: int, floats: torch.dtype, order: str,
     ) -> None:  # fmt: skip
         if order not in ORDERS:
             raise UserError(f"run.loader(order={order!r}) is not one of {', '.join(ORDERS)}")
-        self.split, self.ctx, self.steps, self.floats, self.order = split, ctx, steps, floats, order
+        self.device, self.floats = ctx.device, floats
         self.sampler = ShardedBatchSampler(len(dataset), split, ctx.rank, seed, order=sample_order(order, split))
         samples = KeyedSamples(dataset, transform, seed)
         collate = collate_fn or default_collate
         self.loader = data_loader(samples, EpochKeys(self.sampler), num_workers, ctx.device, seed, ctx.rank, collate)
-        self.last_step = self.steps_per_epoch  # where this epoch's steps end (a run's max_steps may cut one)
-        self.carried = Carried(ctx, split)
-        self._drawn: bool | None = None  # this epoch: None not iterated yet, False iterating, True drawn from
 
     @property
     def num_samples(self) -> int:
         return self.sampler.num_samples
 
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_step)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (move_to(batch, self.device, self.floats) for batch in self.loader)
+
+    def close(self) -> None:
+        from multicard.data.loading.workers import shutdown_workers
+
+        shutdown_workers(self.loader)
+
+
+class Loader:
+    """This rank's micro-batches of the run's current epoch, from `run.loader(...)`: `batches` are a
+    user's dataset's (DatasetBatches) or the data layer's training loader; iterate it inside `for
+    epoch in run.epochs(N)`, once an epoch."""
+
+    def __init__(
+        self, batches: Any, split: BatchSplit, ctx: ProcessContext, steps: MicroSteps, order: str, owned: bool = True
+    ) -> None:
+        self.batches, self.split, self.ctx, self.steps, self.order = batches, split, ctx, steps, order
+        self.owned = owned  # the run closes it (a dataset's loader processes), else its maker does (a Data)
+        self.last_step = self.steps_per_epoch  # where this epoch's steps end (a run's max_steps may cut one)
+        self.epoch = self.start_step = 0
+        self.carried = Carried(ctx, split)
+        self._drawn: bool | None = None  # this epoch: None not iterated yet, False iterating, True drawn from
+
+    @property
+    def num_samples(self) -> int:
+        return self.batches.num_samples
+
     @property
     def steps_per_epoch(self) -> int:
-        return self.split.steps_per_epoch(self.sampler.num_samples)
+        return self.split.steps_per_epoch(self.batches.num_samples)
 
     @property
     def micro_batch(self) -> int:
@@ -85,8 +116,8 @@ class Loader:
         return self.split.micro_batch
 
     def set_epoch(self, epoch: int, start_step: int, last_step: int) -> None:
-        self.sampler.set_epoch(epoch, start_step)
-        self.last_step = last_step
+        self.batches.set_epoch(epoch, start_step)
+        self.epoch, self.start_step, self.last_step = epoch, start_step, last_step
         self._drawn = None
         self.carried.start(resumed=start_step > 0)
 
@@ -95,7 +126,7 @@ class Loader:
 
     def __len__(self) -> int:
         """Micro-batches left in this epoch on this rank."""
-        return max(0, self.last_step - self.sampler.start_step) * self.split.grad_accum
+        return max(0, self.last_step - self.start_step) * self.split.grad_accum
 
     def __iter__(self) -> Iterator[Any]:
         if not self.steps.begun:
@@ -103,7 +134,7 @@ class Loader:
                             "iterate it inside, once an epoch")  # fmt: skip
         if self._drawn is not None:
             raise UserError(
-                f"a run.loader was iterated twice in epoch {self.sampler.epoch}; iterate it once an epoch (it "
+                f"a run.loader was iterated twice in epoch {self.epoch}; iterate it once an epoch (it "
                 f"would give the same batches again; `break` ends the epoch early, more epochs give more passes)"
             )
         self._drawn = False
@@ -113,13 +144,13 @@ class Loader:
         accum, left = self.split.grad_accum, len(self)
         if left == 0:
             return
-        batches = iter(self.loader)
+        batches = iter(self.batches)
         try:
             for n in range(left):
                 self.steps.end_micro()
                 self.steps.settle()
                 self.steps.enter(DATA)
-                batch = move_to(next(batches), self.ctx.device, self.floats)
+                batch = next(batches)
                 self.steps.begin_micro(n % accum)
                 self.steps.enter(FORWARD)
                 self._drawn = True
@@ -141,9 +172,8 @@ class Loader:
         return self.carried.carry(state, dim, drawn=bool(self._drawn))
 
     def close(self) -> None:
-        from multicard.data.loading.workers import shutdown_workers
-
-        shutdown_workers(self.loader)
+        if self.owned:
+            self.batches.close()
 
 
 class Carried:
@@ -219,3 +249,49 @@ def eval_loader(
     samples = KeyedSamples(dataset, transform, seed)
     loader = data_loader(samples, keys, num_workers, ctx.device, seed, ctx.rank, collate_fn or default_collate)
     return loader, counts
+
+
+def data_layer_loader(data: Any, options: tuple[Any, ...], parts: Any, training: Any) -> Loader:
+    """run.loader(data): the data layer's training loader (a multicard.data.Data's, which brings its
+    own sampler and transforms); its classes and sample list go into the run's checkpoints."""
+    if options != (None, None, 0, "shuffle") or data.train is None:
+        raise UserError("run.loader(data): a multicard.data.Data with training data brings its own sampler, "
+                        "transforms and loader processes; give it alone")  # fmt: skip
+    if training.loaders:
+        raise UserError("run.loader(data): give the data layer's loader first (it sets an epoch's steps)")
+    loader = Loader(data.train, parts.split, parts.ctx, training, "shuffle", owned=False)
+    training.data, training.loader_kind = DataFacts(tuple(data.classes), data.fingerprint), data.loader
+    training.loaders.append(loader)
+    return loader
+
+
+def evaluation_batches(
+    dataset: Any, parts: Any, batch_size: int | None, transform: Transform | None, collate_fn: Callable | None,
+    num_workers: int,
+) -> tuple[Any, Iterator[tuple[Any, int]]]:  # fmt: skip
+    """run.evaluate's (batch, samples counted) pairs of this rank's share of `dataset`, and the
+    DataLoader to end after them (None: a multicard.data.Data's validation loader, on the device)."""
+    if isinstance(dataset, Data):
+        return None, ((batch, len(batch[1])) for batch in dataset.val)
+    check_map_style(dataset, "run.evaluate")
+    size = batch_size or parts.split.micro_batch
+    loader, counts = eval_loader(dataset, size, transform, collate_fn, parts.loader_processes(num_workers),
+                                 parts.ctx, parts.cfg.seed)  # fmt: skip
+    return loader, iter(zip(loader, counts, strict=True))
+
+
+def dataset_loader(
+    dataset: Any, transform: Transform | None, collate_fn: Callable | None, num_workers: int, order: str,
+    parts: Any, training: Any,
+) -> Loader:  # fmt: skip
+    """run.loader(dataset): a user's map-style dataset, sampled and read as the loader's docstring says."""
+    check_map_style(dataset, "run.loader")
+    floats = parts.strategy.precision.param_dtype
+    batches = DatasetBatches(dataset, transform, collate_fn, parts.loader_processes(num_workers), parts.split,
+                             parts.ctx, parts.cfg.seed, floats, order)  # fmt: skip
+    loader = Loader(batches, parts.split, parts.ctx, training, order)
+    parts.check_same_on_every_rank(dataset, "run.loader")
+    if order == "streams":
+        training.loop.components[f"streams{len(training.loaders)}"] = loader.carried
+    training.loaders.append(loader)
+    return loader

@@ -5,7 +5,9 @@ Each optimizer keeps its class, parameter groups and settings. Where the strateg
 parameters (fsdp shards them; sync_bn replaces BatchNorm layers), each group is pointed at the
 new ones of the same names (the same optimizer object: a scheduler made from it keeps working);
 with ddp.shard_optimizer (ZeRO-1) the strategy builds a ZeroRedundancyOptimizer of the same class
-and groups, returned instead.
+and groups, returned instead. An optimizer may also be given as a function of the prepared module
+that builds it (`make(module) -> optimizer`): for one whose choices depend on where and how the
+strategy placed the parameters (a fused kernel exists for fsdp's sharded tensors with AdamW only).
 
 An optimizer that was not given to run.setup would step tensors the strategy replaced (and train
 nothing), or steps outside the run (its state in no checkpoint): `OptimizerGuard` refuses its
@@ -53,7 +55,8 @@ def prepare_model(
         raise UserError(f"run.setup(model, ...) got {type(model).__name__}; pass a torch.nn.Module")
     names = {id(p): name for name, p in model.named_parameters()}
     for optimizer in optimizers:
-        check_optimizer(optimizer, names)
+        if not callable(optimizer):
+            check_optimizer(optimizer, names)
     shards_state = getattr(getattr(strategy, "options", None), "shard_optimizer", False)
     if shards_state and (len(optimizers) > 1 or guard.models):
         raise UserError("ddp.shard_optimizer (ZeRO-1) shards the optimizer of one model; with several models or "
@@ -62,10 +65,14 @@ def prepare_model(
     wrapped = strategy.prepare(model)
     bare = strategy.unwrap(wrapped)
     current = dict(bare.named_parameters())
-    guard.watch(bare, before, optimizers)
+    made = [make(bare) if callable(make) else make for make in optimizers]
+    for optimizer, make in zip(made, optimizers, strict=True):
+        if callable(make):
+            check_optimizer(optimizer, {id(p): name for name, p in current.items()})
+    guard.watch(bare, before, tuple(made))
     stepping = []
-    for optimizer in optimizers:  # the same tensors, or their sharded or converted replacements
-        for group in optimizer.param_groups:
+    for optimizer, given in zip(made, optimizers, strict=True):  # the same tensors, or their replacements
+        for group in optimizer.param_groups if not callable(given) else ():
             group["params"] = [current[names[id(p)]] for p in group["params"]]
         if shards_state:
             groups = [dict(group) for group in optimizer.param_groups]
@@ -74,6 +81,21 @@ def prepare_model(
         stepping.append(optimizer)
     guard.allow(stepping)
     return wrapped, stepping
+
+
+def setup_model(training: Any, strategy: Strategy, model: nn.Module, optimizers: tuple[Any, ...]) -> Any:
+    """run.setup(model, *optimizers): what it returns (see there), the model and its optimizers added
+    to the run's loop."""
+    if training.begun:
+        raise UserError("run.setup(...) after run.epochs(...) started; set up every model before the loop")
+    if any(t.bare is model or t.wrapped is model for t in training.loop.trained):
+        raise UserError("run.setup was called twice with the same model; set each model up once")
+    given = [o for o in optimizers if o is not None]
+    wrapped, stepping = prepare_model(strategy, model, tuple(given), training.guard)
+    training.loop.add(wrapped, stepping)
+    returned = iter(stepping)
+    out = [next(returned) if o is not None else None for o in optimizers]
+    return (wrapped, *out) if optimizers else wrapped
 
 
 class OptimizerGuard:

@@ -1,4 +1,5 @@
-"""`multicard.Run`: every guarantee of `multicard train` for a user's own loop.
+"""`multicard.Run`: every guarantee of `multicard train` for a user's own loop, and the loop that
+`multicard train` itself runs (its classifier recipe, multicard.recipes, is written on this class).
 
     run = multicard.Run(out_dir="runs/mine", global_batch_size=256, precision="bf16")
     model, optimizer = run.setup(model, optimizer)      # device, strategy wrap, AMP, compile (per model)
@@ -11,9 +12,10 @@
             run.log(loss=loss)                          # rank 0: console, metrics.jsonl, trackers
         scores = run.evaluate(model, val_set, metric_fn)   # every sample once, any world size
 
-The run is assembled by the same Assembly as a command-line run (assembly.py): process group and
-device, strategy, sampler, loop step, checkpointer, graceful stop, stall watchdog, console and
-trackers. Reference: docs/library.md.
+The run is planned once (its config, topology and batch split: assembly/plan.py) and its parts are
+built from the plan by the assembly (assembly/parts.py): the checks and out_dir's lock, the process
+group and device, strategy, graceful stop, stall watchdog, console, trackers and checkpointer.
+Reference: docs/library.md.
 """
 
 from __future__ import annotations
@@ -21,26 +23,33 @@ from __future__ import annotations
 import atexit
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from multicard.assembly.parts import Assembly
+from multicard.assembly.plan import RunPlan, plan_run
+from multicard.base.config import Config
 from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoint_store
-from multicard.data.loading.keyed import Transform, check_map_style
-from multicard.engine.loop import Position
-from multicard.engine.phases import EVALUATION, IDLE
+from multicard.data import BatchSplit, Data
+from multicard.data.loading.keyed import Transform
+from multicard.engine.loop import Callback, Position
+from multicard.run.ending import forget, on_error
 from multicard.run.ending import install as install_error_hook
-from multicard.run.evaluation import MetricFn, Scores, evaluate_sums
-from multicard.run.loading import Loader, eval_loader
-from multicard.run.preparation import prepare_model
-from multicard.run.runtime import Runtime
+from multicard.run.evaluation import MetricFn, Scores, evaluate_in
+from multicard.run.loading import Loader, data_layer_loader, dataset_loader
+from multicard.run.preparation import setup_model
 from multicard.run.settings import in_arguments, run_config
+from multicard.run.state import checked_component
 from multicard.run.training import Training
 from multicard.run.weights import checkpoint_path, load_weights
+from multicard.runtime.environment import ProcessEnv, detect_env
+from multicard.runtime.exits import die_with_launcher
+from multicard.runtime.process_group import ProcessContext
+from multicard.runtime.seeding import seed_process
 
 
 class Run:
@@ -56,29 +65,51 @@ class Run:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "options", "best", "best_mode")}
         install_error_hook()  # from here on, an uncaught multicard error is one line and its exit code
         try:
-            self.runtime = Runtime(run_config(arguments, options), script=sys.argv[0] or "<stdin>")
+            plan = plan_run(run_config(arguments, options), detect_env(), script=sys.argv[0] or "<stdin>")
+            self._open(plan, best, best_mode)
         except UserError as exc:  # a config key's name → the argument that set it
             error = UserError(in_arguments(str(exc)))
             error.every_rank = True  # the same arguments on every rank: rank 0 says it
             raise error from None
-        self.training = Training(self.runtime, best, best_mode)
-        self.state = self.training.state  # the user's own resumable values (run.state["best"] = ...)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Config, *, env: ProcessEnv | None = None, callbacks: Sequence[Callback] = (),
+        best: str | None = None, epoch_names: Mapping[str, str] | None = None, records: bool = True,
+        checkpoints: bool = True,
+    ) -> Run:  # fmt: skip
+        """A run of a whole multicard config (`multicard train`'s recipe: multicard.recipes), all of it
+        saved in config.yaml and the checkpoints; under multicard's launcher the launcher made its
+        checks. `callbacks` hear the loop's events after the run's own; `epoch_names` names a value's
+        epoch mean in epoch records (loss → train_loss); without `records` (console, metrics,
+        trackers) or `checkpoints` the run writes none (the tools that time a loop run so)."""
+        env = env or detect_env()
+        plan = plan_run(cfg, env, checked=env.launcher_pid is not None, records=records, checkpoints=checkpoints)
+        run = cls.__new__(cls)
+        run._open(plan, best, "max", callbacks, epoch_names)
+        return run
+
+    def _open(self, plan: RunPlan, best: str | None, best_mode: str, callbacks: Sequence[Callback] = (),
+              epoch_names: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self._closed = False
+        self.parts, self.training = assemble(plan, lambda parts: Training(parts, best, best_mode, callbacks,
+                                                                          epoch_names))  # fmt: skip
+        self.state = self.training.state  # the user's own resumable values (run.state["best"] = ...)
         atexit.register(self.close)
 
-    # ------------------------------------------------------------ who and where
-
-    rank = property(lambda self: self.runtime.ctx.rank, doc="this process's rank, 0..world_size-1")
-    local_rank = property(lambda self: self.runtime.ctx.local_rank)
-    world_size = property(lambda self: self.runtime.ctx.world_size)
-    device = property(lambda self: self.runtime.ctx.device, doc="where the model and batches are")
-    is_main = property(lambda self: self.runtime.ctx.is_main, doc="rank 0, which writes the run's files")
-    out_dir = property(lambda self: self.runtime.out_dir)
+    context: ProcessContext = property(lambda self: self.parts.ctx, doc="rank, world size, device: the process")  # type: ignore[assignment]
+    rank = property(lambda self: self.parts.ctx.rank, doc="this process's rank, 0..world_size-1")
+    local_rank = property(lambda self: self.parts.ctx.local_rank)
+    world_size = property(lambda self: self.parts.ctx.world_size)
+    device = property(lambda self: self.parts.ctx.device, doc="where the model and batches are")
+    is_main = property(lambda self: self.parts.ctx.is_main, doc="rank 0, which writes the run's files")
+    out_dir = property(lambda self: self.parts.out_dir)
+    batch_split: BatchSplit = property(lambda self: self.parts.split, doc="global batch, micro-batch, grad_accum")  # type: ignore[assignment]
     # checkpoint.dir (a path, or a URL as text), else out_dir/checkpoints
     checkpoint_dir = property(
-        lambda self: checkpoint_store(self.runtime.out_dir / "checkpoints", self.runtime.cfg.checkpoint.dir).location()
+        lambda self: checkpoint_store(self.parts.out_dir / "checkpoints", self.parts.cfg.checkpoint.dir).location()
     )
-    strategy = property(lambda self: self.runtime.strategy.name, doc="single | dp | ddp | fsdp, as resolved")
+    strategy = property(lambda self: self.parts.strategy.name, doc="single | dp | ddp | fsdp, as resolved")
 
     @property
     def position(self) -> Position:
@@ -93,27 +124,18 @@ class Run:
 
     # ------------------------------------------------------------ setting up
 
-    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer | None) -> Any:
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer | Callable[[nn.Module], Any] | None) -> Any:
         """Place, convert, compile and wrap `model` with the run's strategy; return it, and the
         optimizers that step it (the same objects, except under ZeRO-1): `model` alone, `(model,
-        optimizer)`, `(model, opt_a, opt_b)`. Once per model; a model without optimizer (a frozen
-        teacher) is placed and cast, not wrapped by DDP. Build LR schedulers from what it returns."""
-        training = self.training
-        if training.begun:
-            raise UserError("run.setup(...) after run.epochs(...) started; set up every model before the loop")
-        if any(t.bare is model or t.wrapped is model for t in training.loop.trained):
-            raise UserError("run.setup was called twice with the same model; set each model up once")
-        given = [o for o in optimizers if o is not None]
-        wrapped, stepping = prepare_model(self.runtime.strategy, model, tuple(given), training.guard)
-        training.loop.add(wrapped, stepping)
-        returned = iter(stepping)
-        out = [next(returned) if o is not None else None for o in optimizers]
-        return (wrapped, *out) if optimizers else wrapped
+        optimizer)`, `(model, opt_a, opt_b)`. An optimizer may be a function that builds it from the
+        prepared module. Once per model; a model without optimizer (a frozen teacher) is placed and
+        cast, not wrapped by DDP. Build LR schedulers from what it returns."""
+        return setup_model(self.training, self.parts.strategy, model, optimizers)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The module run.setup was given (placed, converted, compiled in place), without the
         strategy's and precision's wrappers: its state dict has no `module.` prefix."""
-        return self.runtime.strategy.unwrap(model)
+        return self.parts.strategy.unwrap(model)
 
     def loader(
         self, dataset: Any, transform: Transform | None = None, collate_fn: Callable | None = None, *,
@@ -122,20 +144,22 @@ class Run:
         """This rank's micro-batches of `dataset` (map-style) for each epoch, on the device.
         `transform(sample, generator)` draws its randomness from `generator`, keyed by (seed, epoch,
         sample index). `order`: "shuffle" (by seed and epoch), "sequential" (the dataset's order) or
-        "streams" (truncated BPTT: see Loader.carry). The first loader's length sets the steps per epoch."""
-        training = self.training
-        if training.begun:
+        "streams" (truncated BPTT: see Loader.carry). The first loader's length sets the steps per epoch.
+        `dataset` may also be a multicard.data.Data: its training loader's batches, as it makes them."""
+        if self.training.begun:
             raise UserError("run.loader(...) after run.epochs(...) started; create the loaders before the loop")
-        check_map_style(dataset, "run.loader")
-        loader = Loader(
-            dataset, transform, collate_fn, self.runtime.loader_processes(num_workers), self.runtime.split,
-            self.runtime.ctx, self.runtime.cfg.seed, training, self.runtime.strategy.precision.param_dtype, order,
-        )  # fmt: skip
-        self.runtime.check_same_on_every_rank(dataset, "run.loader")
-        if order == "streams":
-            training.loop.components[f"streams{len(training.loaders)}"] = loader.carried
-        training.loaders.append(loader)
-        return loader
+        if isinstance(dataset, Data):
+            return data_layer_loader(dataset, (transform, collate_fn, num_workers, order), self.parts, self.training)
+        return dataset_loader(dataset, transform, collate_fn, num_workers, order, self.parts, self.training)
+
+    def register(self, name: str, component: Any) -> None:
+        """A part of the checkpoints beside the model: `component.state_dict(whole=False)` laid out as
+        the model's tensors are (this rank's shards under fsdp, written by every rank with the sharded
+        format; whole tensors on rank 0 with whole=True) and `load_state_dict(state)`; restored by
+        run.epochs. For plain values, use run.state."""
+        if self.training.begun:
+            raise UserError("run.register(...) after run.epochs(...) started; register components before the loop")
+        self.training.loop.components[name] = checked_component(name, component, self.training.loop.components)
 
     # ------------------------------------------------------------ training
 
@@ -178,7 +202,7 @@ class Run:
         """The weights a checkpoint holds of the run's model, loaded into `model` (as run.setup
         returned it): "best" (the epoch `best` points at), "last", or a checkpoint's path or URL."""
         path = checkpoint_path(self.checkpoint_dir, checkpoint)
-        load_weights(self.training.loop, self.runtime.strategy, model, path)
+        load_weights(self.training.loop, self.parts.strategy, model, path)
 
     # ------------------------------------------------------------ evaluation and collectives
 
@@ -187,56 +211,78 @@ class Run:
         transform: Transform | None = None, collate_fn: Callable | None = None, num_workers: int = 0,
     ) -> Scores:  # fmt: skip
         """`metric_fn(model, batch)` → a dict of sums (or per-sample tensors), summed over every
-        sample of `dataset` exactly once whatever the world size; with "samples"."""
-        rt = self.runtime
-        check_map_style(dataset, "run.evaluate")
-        size = batch_size or rt.split.micro_batch
-        loader, counts = eval_loader(dataset, size, transform, collate_fn, rt.loader_processes(num_workers), rt.ctx,
-                                     rt.cfg.seed)  # fmt: skip
-        bare = rt.strategy.unwrap(model)  # DDP's forward would wait for the other ranks' forwards
-        rt.strategy.agree_buffers(bare)  # rank 0's BatchNorm statistics, as checkpoints hold them
-        batches = zip(loader, counts, strict=True)
-        clock = self.training.loop.clock
-        clock.set_phase(EVALUATION)
-        try:
-            return evaluate_sums(bare, batches, metric_fn, rt.strategy, clock.tick)
-        finally:
-            clock.set_phase(IDLE)
-            loader_workers_end(loader)
+        sample of `dataset` exactly once whatever the world size; with "samples". `dataset` may be a
+        multicard.data.Data: its validation loader's batches (this rank's share, on the device)."""
+        options = (batch_size, transform, collate_fn, num_workers)
+        return evaluate_in(self.parts, self.training.loop.clock, model, dataset, metric_fn, options)
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over every rank, in place (a no-op in one process)."""
-        return self.runtime.strategy.all_reduce_sum(tensor)
+        return self.parts.strategy.all_reduce_sum(tensor)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (any picklable object), in rank order; every rank calls it."""
+        return self.parts.strategy.all_gather_object(value)
 
     def barrier(self) -> None:
-        self.runtime.ctx.barrier()
+        self.parts.ctx.barrier()
 
     def print(self, *values: Any) -> None:
         """Print on rank 0 only."""
-        self.runtime.reporter.print(" ".join(str(v) for v in values))
+        self.parts.reporter.print(" ".join(str(v) for v in values))
+
+    def heartbeat_cost(self) -> dict[str, float] | None:
+        """What the stall watchdog's heartbeats have cost this rank so far (None: they are off)."""
+        watchdog = self.parts.watchdog
+        return watchdog.cost.summary() if watchdog is not None else None
 
     # ------------------------------------------------------------ the end
 
-    def close(self) -> None:
-        """Finish writing, release out_dir, leave the process group (also at exit, or `with Run(...)`)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        with ExitStack() as stack:
-            stack.callback(self.runtime.close)
-            # At exit after an exception the script did not catch (its traceback printed), the other
-            # ranks may be gone or elsewhere: nothing that waits for them (a due checkpoint) runs.
-            self.training.close(settle=getattr(sys, "last_value", None) is None)
+    def close(self, error: BaseException | None = None) -> None:
+        """Finish writing, release out_dir, leave the process group (also at exit, or `with Run(...)`;
+        after an `error` leaving it, nothing that waits for other ranks runs but the callbacks' end)."""
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self.close)
+            close(self.parts, self.training, error)
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
 
 
-def loader_workers_end(loader: Any) -> None:
-    from multicard.data.loading.workers import shutdown_workers
+def assemble(plan: RunPlan, training: Callable[[Assembly], Training]) -> tuple[Assembly, Training]:
+    """A run's parts from its plan: its checks and out_dir's lock first (before the process group),
+    then the process group, device, strategy and stop signals, then its training side; every rank's
+    random streams seeded (a model built after this starts from the same weights on every rank)."""
+    parts = Assembly(plan)
+    on_error(parts.abandon)  # an error that ends the process releases out_dir and closes files first
+    die_with_launcher(plan.env)
+    try:
+        parts.claim()
+        parts.reporter  # noqa: B018 -- the process group, device and strategy
+        parts.stop  # noqa: B018 -- stop signals are handled from here on
+        made = training(parts)
+    except BaseException as exc:
+        forget(parts.abandon)
+        parts.close(exc)
+        raise
+    seed_process(plan.cfg.seed)
+    return parts, made
 
-    shutdown_workers(loader)
+
+def close(parts: Assembly, training: Training, error: BaseException | None) -> None:
+    """Run.close: training's end (after an `error`, only what the loop's callbacks do at its end), then
+    the parts' (parts.Assembly.close)."""
+    # At exit after an exception the script did not catch (its traceback printed), the other
+    # ranks may be gone or elsewhere: nothing that waits for them (a due checkpoint) runs.
+    settle = error is None and getattr(sys, "last_value", None) is None
+    try:
+        if error is not None:
+            training.finish(error)
+        training.close(settle=settle)
+    finally:
+        forget(parts.abandon)
+        parts.close(error)

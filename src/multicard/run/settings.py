@@ -7,10 +7,10 @@ library uses (`ddp.*`, `fsdp.*`, `checkpoint.*`, `debug.*`, `log.*`, `net.*`, `t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from multicard.assembly.plan import NOT_A_RUN_SETTING
 from multicard.base.config import Config, load_config
 from multicard.base.errors import UserError
 
@@ -32,11 +32,6 @@ ARGUMENTS = {
     "resume": "train.resume",
     "log_every": "log_every",
 }
-# Config sections that describe the command line's classifier runs (its data, model, optimizer and
-# recipe): a user's loop brings its own, so options may not set them and they are not saved.
-NOT_A_RUN_SETTING = ("data", "model", "optim", "sched", "mix", "ema", "eval_flip", "train.label_smoothing")
-
-
 def _option_items(options: Mapping[str, Any] | Iterable[str]) -> list[str]:
     if isinstance(options, Mapping):
         return [f"{key}={_yaml_value(value)}" for key, value in options.items()]
@@ -87,15 +82,3 @@ def in_arguments(message: str) -> str:
         if key != name:
             message = message.replace(f"{key}=", f"{name}=").replace(f"'{key}'", f"'{name}'")
     return message.replace("(README, Configuration)", "(docs/library.md)")
-
-
-def saved_config(cfg: Config) -> dict[str, Any]:
-    """What a Run's config.yaml and checkpoints hold: its own settings, not the classifier's."""
-    data = dataclasses.asdict(cfg)
-    for key in NOT_A_RUN_SETTING:
-        section, _, field = key.partition(".")
-        if field:
-            data[section].pop(field, None)
-        else:
-            data.pop(section, None)
-    return data

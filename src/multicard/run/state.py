@@ -207,3 +207,17 @@ class Monitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = state.get("best")
+
+
+# Checkpoint parts a component registered with run.register may not be named after.
+TAKEN = ("model", "optimizer", "scheduler", "scaler", "models", "optimizers", "schedulers", "position", "rng",
+         "state", "best", "resume", "config", "step", "epoch", "classes", "val", "format", "script")  # fmt: skip
+
+
+def checked_component(name: str, component: Any, components: dict[str, Any]) -> Any:
+    """run.register(name, component): a free name, an object with a state dict."""
+    if name in TAKEN or name.startswith("streams") or name in components:
+        raise UserError(f"run.register({name!r}, ...): a checkpoint part of that name exists; choose another")
+    if not all(callable(getattr(component, m, None)) for m in ("state_dict", "load_state_dict")):
+        raise UserError(f"run.register({name!r}, ...) takes an object with state_dict() and load_state_dict()")
+    return component

@@ -31,7 +31,6 @@ class Steps:
         self.seen: dict[int, int] = {}  # optimizer (its index) → backwards at its last step
         self.counted = False  # this global batch's step has been counted (some optimizer stepped)
         self.settled = 0  # backwards when the last counted global batch ended
-        self.saved_schedulers: dict[int, Any] = {}  # a resumed run's scheduler states, until each is given
         self._stray: list[torch.Tensor] | None = None
 
     def backpropagate(self, loss: torch.Tensor) -> None:
@@ -121,7 +120,7 @@ class Steps:
         if getattr(scheduler, "optimizer", stepper.optimizer) is not stepper.optimizer:
             raise UserError("the scheduler steps another optimizer than the one given to run.step; build it from that")
         stepper.scheduler = scheduler
-        saved = self.saved_schedulers.pop(index, None)
+        saved, stepper.saved = stepper.saved, None
         if saved is not None:  # continue the schedule where it was, with the learning rates it had set
             scheduler.load_state_dict(saved)
             for group, lr in zip(stepper.optimizer.param_groups, scheduler.get_last_lr(), strict=False):

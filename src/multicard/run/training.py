@@ -1,6 +1,7 @@
-"""The training side of a Run: its loop (multicard.engine.loop, the step `multicard train` takes too),
-the epochs (or steps) with resume and epoch-end checkpoints, the micro-steps its loaders announce,
-the agreed stop, and the console, metrics and trackers the command line uses.
+"""The training side of a Run, the one training-loop control of multicard (a user's loop and
+`multicard train`'s classifier recipe alike): its loop (multicard.engine.loop, the one step), the
+epochs (or steps) with resume and epoch-end checkpoints, the micro-steps its loaders announce, the
+agreed stop, and the console, metrics and trackers.
 
 A step is one global batch of the training loader, whatever number of optimizers stepped in it,
 and it ends where the user's code for the batch ends: at the next batch, at the end of the
@@ -8,8 +9,12 @@ loader's epoch, or at run.save. Then the step is counted in the records, its che
 written (every checkpoint_every steps, or at an agreed stop) and a stop takes effect: never
 between two optimizers' updates of one batch, and holding what the code after run.step changed
 (run.state, random streams), as a resumed run needs it. A stop agreed on an epoch's last step
-waits for the epoch's end (the user's evaluation), then saves the epoch and stops, as `multicard
-train` does; any other stop saves the step and stops.
+waits for the epoch's end (the code after the batches: an evaluation), then saves the epoch and
+stops; any other stop saves the step and stops.
+
+The run's length is decided once, when its loop begins (run.epochs(n) or run.steps(n)): the
+schedule and the facts its checkpoints record (assembly/plan.py), then the checkpointer, the
+resume and the start (`start`).
 
 Every way out of a loop ends: `break` out of the batches ends the epoch there (the next epoch
 starts at its first batch; the run still ends after its epochs), a loader iterated twice in one
@@ -18,43 +23,50 @@ epoch is refused, and each step polls the stop.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from multicard.assembly.plan import DataFacts, RunLength
+from multicard.assembly.process import start_line
 from multicard.base.errors import MulticardError, Stopped, UserError
-from multicard.checkpoint import Checkpointer, RunFacts
-from multicard.engine.loop import Hooks, Loop, Position, Schedule, StepEnd
-from multicard.run.ending import on_error
+from multicard.checkpoint import Checkpointer
+from multicard.data import repeats_note
+from multicard.engine.loop import Callback, Hooks, Loop, Position, StepEnd
+from multicard.engine.meters import EvalResult
+from multicard.run.ending import forget, on_error
 from multicard.run.logbook import Logbook
 from multicard.run.preparation import OptimizerGuard
-from multicard.run.session import start_line
-from multicard.run.settings import saved_config
 from multicard.run.state import Monitor, UserState
 from multicard.run.stepping import Steps
 
 if TYPE_CHECKING:
+    from multicard.assembly.parts import Assembly
     from multicard.run.loading import Loader
-    from multicard.run.runtime import Runtime
 
 
 class Training:
-    def __init__(self, runtime: Runtime, best: str | None, best_mode: str) -> None:
-        self.rt = runtime
-        cfg = runtime.cfg
-        schedule = Schedule(0, 0, cfg.train.grad_accum, cfg.log_every, clip_grad_norm=cfg.clip_grad_norm)
-        self.loop = Loop(runtime.strategy, schedule, runtime.stop)
+    def __init__(
+        self, parts: Assembly, best: str | None, best_mode: str, callbacks: Sequence[Callback] = (),
+        epoch_names: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.parts, self.plan = parts, parts.plan
+        cfg = self.plan.cfg
+        self.loop = Loop(parts.strategy, parts.stop)
         self.guard = OptimizerGuard()
         self.steps = Steps(self.loop, self.guard)
         self.state = UserState()
         self.monitor = Monitor(best, best_mode)
-        self.logbook = Logbook(self.loop, cfg.train.global_batch_size)
+        names = dict(epoch_names or {})
+        self.logbook = Logbook(self.loop, cfg.train.global_batch_size, names, of_config=self.plan.script is None)
         self.loop.components.update(state=self.state, best=self.monitor)
         self.loop.position_state.append(self.logbook)
+        self.callbacks = list(callbacks)
         self.loaders: list[Loader] = []
+        self.data, self.loader_kind = DataFacts(), "user"  # the training data's facts, and its loader (run.loader)
+        self.length: RunLength | None = None
         self.checkpointer: Checkpointer | None = None
         self.begun = self.ended = False
         self.last_step = 0  # where the epoch in progress ends
@@ -62,7 +74,7 @@ class Training:
         self._micro_context = ExitStack()
         self._deferred: Stopped | None = None  # a stop agreed on an epoch's last step
         self._replaying = False  # an epoch resumed in the middle, before its first batch
-        runtime.watch(self.loop)
+        parts.watch(self.loop)
         on_error(self._failed)
 
     def _failed(self, exc: BaseException) -> None:
@@ -102,7 +114,7 @@ class Training:
         pos = loop.position
         ends = pos.step_in_epoch >= self.last_step
         if pos.global_step % loop.schedule.log_every == 0 or ends or signum:
-            loop.hooks.on_log(loop, self.logbook.step_record(self._lr()))
+            loop.hooks.on_log(loop, self.logbook.step_record(lr_of(loop)))
         loop.hooks.on_step_end(loop, StepEnd(pos.epoch, pos.global_step, pos.step_in_epoch, ends, times, signum))
         if signum:
             self._stop(Stopped(signum, pos.global_step), defer=ends)
@@ -118,23 +130,18 @@ class Training:
         return self._steps()
 
     def _begin(self, n: int, what: str) -> None:
-        loop, rt = self.loop, self.rt
         if self.begun:
             raise UserError(f"{what}(...) was called twice; loop over one `for ... in run.epochs(N)` or run.steps(N)")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"{what}({n!r}): give the number of {what[4:]}, an integer >= 1")
-        if not loop.steppers:
+        if not self.loop.steppers:
             raise UserError(f"{what}(...) before run.setup(model, optimizer): set up the model and optimizer first")
         if not self.loaders:
             raise UserError(f"{what}(...) before run.loader(train_set): the training loader sets an epoch's steps")
-        spe = self.loaders[0].steps_per_epoch
-        rt.cfg = cfg = dataclasses.replace(rt.cfg, train=run_length(rt.cfg.train, n, what, spe))
-        steps = cfg.train.run_length(spe)
-        epochs = n if what == "run.epochs" else 0
-        loop.schedule = dataclasses.replace(loop.schedule, steps_per_epoch=spe, total_steps=steps, epochs=epochs)
-        rt.parts.facts = RunFacts(saved_config(cfg), [], spe, rt.ctx.world_size, script=rt.script)
-        self.checkpointer = rt.parts.checkpointer
-        start(self, self.checkpointer)
+        self.length = self.plan.length(n, what, self.loaders[0].steps_per_epoch, self.data)
+        self.loop.begin(self.length.schedule)
+        self.checkpointer = self.parts.checkpointer(self.length.facts)
+        start(self)
 
     def _epochs(self) -> Iterator[int]:
         while not self.loop.finished:
@@ -171,25 +178,22 @@ class Training:
         self.settle()
         self._replaying = self._replaying and self.state.replaying(False)
         if self.steps.drop_partial():
-            self.rt.reporter.print(f"warning: epoch {pos.epoch} ended in the middle of a global batch (a break "
-                                   f"between its micro-steps?); their gradients were dropped")  # fmt: skip
+            self.parts.reporter.print(f"warning: epoch {pos.epoch} ended in the middle of a global batch (a break "
+                                      f"between its micro-steps?); their gradients were dropped")  # fmt: skip
         if self.logbook.steps_since_record:  # an epoch left early: its last steps' record first
-            loop.hooks.on_log(loop, self.logbook.step_record(self._lr()))
-        record = self.logbook.epoch_record(self._lr())
-        best = self.monitor.update(record, self.rt.reporter.print)
+            loop.hooks.on_log(loop, self.logbook.step_record(lr_of(loop)))
+        record = self.logbook.epoch_record(lr_of(loop))
+        best = self.monitor.update(record, self.parts.reporter.print)
         cut = pos.global_step >= loop.schedule.total_steps and pos.step_in_epoch < loop.schedule.steps_per_epoch
         if not cut:  # else max_steps ended the run inside the epoch: a longer rerun continues it there
-            loop.position = Position(pos.epoch + 1, 0, pos.global_step, pos.best_top1)
+            loop.position = Position(pos.epoch + 1, 0, pos.global_step)
         for loader in self.loaders:
             loader.end_epoch()
-        loop.hooks.on_epoch_end(loop, record, None, best)
+        loop.hooks.on_epoch_end(loop, record, EvalResult.in_record(record), best)
         if self._deferred is not None:
             stopped, self._deferred = self._deferred, None
             loop.hooks.on_stop(loop, stopped)
             raise stopped
-
-    def _lr(self) -> float:
-        return lr_of(self.loop)
 
     # ------------------------------------------------------------ steps
 
@@ -217,7 +221,8 @@ class Training:
     def save(self) -> Any:
         self._require_training("run.save()")
         self.settle()
-        assert self.checkpointer is not None
+        if self.checkpointer is None:
+            raise UserError("run.save(): this run writes no checkpoints")
         return self.checkpointer.save(self.loop)
 
     # ------------------------------------------------------------ the end
@@ -232,40 +237,42 @@ class Training:
             self.loop.ending = ending
             self.loop.hooks.on_fit_end(self.loop)
             # A stop signal from here on has nothing left to save.
-            self.rt.stop.training_ended(complete=ending is None and self.loop.finished, failed=ending is not None)
+            self.parts.stop.training_ended(complete=ending is None and self.loop.finished, failed=ending is not None)
 
     def close(self, settle: bool = True) -> None:
-        """`settle`: the script ended normally (else nothing that waits for the other ranks runs)."""
+        """`settle`: the run ended normally (else nothing that waits for the other ranks runs)."""
         if settle:
             self.finish(None)
         for loader in self.loaders:
             loader.close()
         self.guard.close()
+        forget(self._failed)
 
 
-def start(training: Training, checkpointer: Checkpointer) -> None:
+def start(training: Training) -> None:
     """Resume from the newest checkpoint (or the one `resume` names), say so, open the sinks."""
-    loop, rt, cfg = training.loop, training.rt, training.rt.cfg
-    resume_from = checkpointer.choose(cfg.train.resume)
-    state = checkpointer.restore(resume_from, loop) if resume_from is not None else None
-    if state is not None:
-        training.steps.saved_schedulers = saved_schedulers(state)
-    rt.started = training.begun = True
-    resumed = (resume_from, state["step"]) if resume_from is not None and state is not None else None
-    line = start_line(rt.strategy, cfg.precision, rt.split, f"script={rt.script}")
-    rt.parts.announce(line, loop, resumed, config=saved_config(cfg))
-    logs = rt.parts.logs(resumed[1] if resumed is not None else None, loader="user")
-    loop.hooks = Hooks([checkpointer, *logs])
+    loop, parts, length = training.loop, training.parts, training.length
+    assert length is not None
+    checkpointer, resumed = training.checkpointer, None
+    resume_from = checkpointer.choose(length.train.resume) if checkpointer is not None else None
+    if checkpointer is not None and resume_from is not None:
+        resumed = (resume_from, checkpointer.restore(resume_from, loop)["step"])
+    parts.started = training.begun = True
+    cfg = training.plan.cfg
+    line = start_line(parts.strategy, cfg.precision, parts.split, describe(training))
+    always = [note for note in (repeats_note(parts.split, cfg.data.repeats),) if note]  # this world size's layout
+    parts.announce(line, loop, resumed, always, length.facts.config)
+    logs = parts.logs(resumed[1] if resumed is not None else None, training.loader_kind)
+    loop.hooks = Hooks([*([checkpointer] if checkpointer is not None else []), *logs, *training.callbacks])
     loop.hooks.on_fit_start(loop)
 
 
-def run_length(train: Any, n: int, what: str, steps_per_epoch: int) -> Any:
-    """train.epochs and train.max_steps of run.epochs(n) or run.steps(n) (its epochs: as many as it takes)."""
-    if what == "run.epochs":
-        return dataclasses.replace(train, epochs=n)
-    if train.max_steps and train.max_steps != n:
-        raise UserError(f"run.steps({n}) with Run(max_steps={train.max_steps}): give the steps once, to run.steps")
-    return dataclasses.replace(train, epochs=-(-n // steps_per_epoch), max_steps=n)
+def describe(training: Training) -> str:
+    """What the start line says the run trains: a script, or a config's model and data."""
+    plan = training.plan
+    if plan.script is not None:
+        return f"script={plan.script}"
+    return f"model={plan.cfg.model.name} data={plan.cfg.data.name} loader={training.loader_kind}"
 
 
 def require_training(what: str, set_up: bool, begun: bool) -> None:
@@ -277,11 +284,3 @@ def require_training(what: str, set_up: bool, begun: bool) -> None:
 
 def lr_of(loop: Loop) -> float:
     return float(loop.optimizer.param_groups[0]["lr"]) if loop.optimizer is not None else 0.0
-
-
-def saved_schedulers(state: dict[str, Any]) -> dict[int, Any]:
-    """The LR schedulers' states a checkpoint holds, by optimizer (index of setup), until each is given."""
-    saved = {int(k): v for k, v in state.get("schedulers", {}).items()}
-    if "scheduler" in state:
-        saved[0] = state["scheduler"]
-    return saved

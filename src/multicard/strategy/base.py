@@ -1,7 +1,7 @@
 """The Strategy interface, and its simplest form: one process, one device.
 
 Single-process training is world size 1 with no-op collectives; dp, ddp and fsdp refine only
-what differs. The trainer talks to the model and to the other ranks through a Strategy.
+what differs. The training loop talks to the model and to the other ranks through a Strategy.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Strategy:
     """One process, one device: the base every other strategy refines."""
 
     name = "single"
-    # Gradients are reduced over ranks at the end of backward (the trainer times what is exposed).
+    # Gradients are reduced over ranks at the end of backward (the loop times what is exposed).
     reduces_gradients = False
     checkpoint_format = "file"  # what checkpoint.format=auto writes: one file by rank 0
 

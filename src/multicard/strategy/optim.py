@@ -12,6 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from multicard.base.config import OptimConfig, SchedConfig
 
+OPTIMIZER_KERNEL_KEYS = ("fused", "foreach")  # param-group entries that choose kernels, not maths
+
 
 def scaled_lr(o: OptimConfig, global_batch: int) -> float:
     """Peak LR: optim.lr × (global batch / base batch)^p, p = 0 (none), 1 (linear), 1/2 (sqrt)."""

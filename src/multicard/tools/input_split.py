@@ -12,22 +12,26 @@ apart, in this process:
   normalise) on the training device;
 - to device: the uint8 batch's copy to the training device.
 Per-sample stages run in `data.num_workers` loader processes at once, so their time per batch is
-divided by that count. A model step is timed on a random batch of the same shape.
+divided by that count. The model's step is `multicard train`'s own (multicard.recipes.ImageClassifier
+on multicard.Run, one process), timed on random batches of the same shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from multicard.base.config import Config
-from multicard.data import EncodedImage, Files, Items, Source, prefetch_items, to_device, to_picture
+from multicard.base.config import Config, with_overrides
+from multicard.data import Data, EncodedImage, Files, Items, Source, prefetch_items, to_device, to_picture
+from multicard.runtime.clock import sync
 from multicard.runtime.process_group import ProcessContext
 
 STAGES = ("read", "decode", "augment", "to_device")
@@ -132,44 +136,60 @@ def _time_batch(
         seconds["augment"] += time.perf_counter() - t2
     t0 = time.perf_counter()
     on_device = to_device(torch.stack(pixels), device)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     finish(on_device, torch.zeros(len(indices), dtype=torch.long), indices, 0)
-    _sync(device)
+    sync(device)
     seconds["to_device"] += t1 - t0
     return time.perf_counter() - t1
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class RandomBatches:
+    """Training data of random micro-batches of one shape, on the device, as a loader hands them over."""
+
+    def __init__(self, batch: int, image_size: int, num_classes: int, device: torch.device, steps: int) -> None:
+        self.shape, self.num_classes = (batch, 3, image_size, image_size), num_classes
+        self.device, self.steps = device, steps
+
+    @property
+    def num_samples(self) -> int:
+        return self.shape[0] * self.steps
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.steps):
+            yield torch.randn(self.shape, device=self.device), torch.randint(0, self.num_classes, self.shape[:1],
+                                                                             device=self.device)  # fmt: skip
+
+    def close(self) -> None:
+        pass
 
 
 def step_seconds(cfg: Config, batch: int, num_classes: int, ctx: ProcessContext, steps: int = 5) -> float:
-    """Seconds of one training step of the configured model on a random batch, through the run's loop
-    (multicard.engine.loop: the step every run takes), in this one process."""
-    from multicard.engine.loop import Loop, Schedule
-    from multicard.strategy import Precision, build_model, one_device_strategy
+    """Seconds of one training step of the configured model on a micro-batch of random images: the
+    step of `multicard train` (its recipe on multicard.Run) in this one process, after 2 untimed."""
+    from multicard.recipes import ImageClassifier
+    from multicard.tools.bench.probes import StepTimer
 
-    device = ctx.device
-    strategy = one_device_strategy(ctx, Precision(cfg.precision, device.type), cfg.model.channels_last)
-    model = strategy.prepare(build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs)))
-    loop = Loop(strategy, Schedule(steps_per_epoch=steps + 2, total_steps=steps + 2))
-    loop.attach(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    size = cfg.data.image_size
-    x = torch.randn(batch, 3, size, size, device=device, dtype=strategy.precision.param_dtype)
-    y = torch.randint(0, num_classes, (batch,), device=device)
-    start = time.perf_counter()  # taken again after the warm-up steps
-    for i in range(steps + 2):
-        if i == 2:  # after warm-up
-            _sync(device)
-            start = time.perf_counter()
-        with loop.micro_step(0):
-            loop.backpropagate(torch.nn.functional.cross_entropy(model(x).float(), y))
-        loop.optimizer_step()
-        loop.clock.end_step()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
+    timer = StepTimer(warmup=2)
+    fake = RandomBatches(batch, cfg.data.image_size, num_classes, ctx.device, steps + 2)
+    data = Data(fake, fake, num_classes, [str(c) for c in range(num_classes)], "device")
+    with tempfile.TemporaryDirectory(prefix="multicard-input-split-") as tmp:
+        one = with_overrides(cfg, [
+            "strategy=single", f"devices={'cpu' if ctx.device.type == 'cpu' else cfg.devices}",
+            f"train.global_batch_size={batch}", "train.grad_accum=1", f"train.max_steps={steps + 2}",
+            "train.resume=never", "checkpoint.dir=null", "debug.stall_s=0", "log.tensorboard=false",
+            "log.mlflow=false", "log.wandb=false", f"out_dir={tmp}",
+        ])  # fmt: skip
+        with ImageClassifier(one, callbacks=[timer], evaluate=False, records=False, checkpoints=False,
+                             data=data) as recipe:  # fmt: skip
+            recipe.train()
+    return statistics.mean(timer.times)
 
 
 def recommend(split: RankSplit, data_name: str, small: bool, cuda: bool) -> str:

@@ -1,4 +1,4 @@
-"""What the trainer asks of a loader, whichever kind it is (device or workers)."""
+"""What a run asks of the data layer's loaders, whichever kind they are (device or workers)."""
 
 from __future__ import annotations
 

@@ -104,12 +104,12 @@ class EvalKeys(Keys):
 
 
 def _init_worker(seed: int, rank: int, worker_id: int) -> None:
-    """Seed the worker, and keep it out of its trainer's process group.
+    """Seed the worker, and keep it out of its training process's group.
 
     Launchers and terminals signal whole process groups; a worker that died on SIGTERM or
-    Ctrl-C would break the step its trainer finishes before checkpointing. In a group of its
-    own it still ends with the trainer (normal shutdown, or DataLoader's watchdog when the
-    trainer is gone) and can still be terminated directly.
+    Ctrl-C would break the step its training process finishes before checkpointing. In a group of its
+    own it still ends with the training process (normal shutdown, or DataLoader's watchdog when the
+    training process is gone) and can still be terminated directly.
     """
     os.setpgid(0, 0)
     # Distinct, reproducible streams per (seed, rank, worker) for any library-level randomness.
@@ -148,7 +148,7 @@ def _start_workers(loader: DataLoader, keys: Keys) -> None:
 
     A process forked while another thread of its parent holds one of the interpreter's locks
     can hang before running any code (seen with CPython 3.11: a loader process stuck in
-    PyOS_AfterFork_Child while its trainer waited for its first evaluation batch). While the run
+    PyOS_AfterFork_Child while its training process waited for its first evaluation batch). While the run
     is built, this process runs no thread of ours and no collective is in flight. The persistent
     workers then serve every epoch; idle keys meanwhile, so no batch is prepared for nothing.
     """

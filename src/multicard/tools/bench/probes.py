@@ -1,6 +1,7 @@
-"""What one bench cell reads off its run besides step times (those: phases.StepClock): the bytes
-each rank holds, when DDP's gradient all-reduces run within a step, and what a bare all-reduce of
-the gradients' size takes (bench and plan compare communication with it)."""
+"""What a tool reads off a run it drives (bench's cells, plan's --measure, input-split): the time
+of each step and its phase split (`StepTimer`, a callback of the run's loop), the bytes each rank
+holds (`HeldState`), when DDP's gradient all-reduces run within a step, and what a bare all-reduce
+of the gradients' size takes (bench and plan compare communication with it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,63 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from multicard.engine.phases import sync
+from multicard.run import Callback, Loop, StepEnd
+from multicard.runtime.clock import StepClock, sync
+
+
+class StepTimer(Callback):
+    """Wall time of every optimizer step after `warmup` steps, and that step's phase split (from the
+    loop's phase marks)."""
+
+    def __init__(self, warmup: int = 0, last: int | None = None) -> None:
+        self.clock = StepClock(torch.device("cpu"), warmup)  # on the run's device once it starts
+        self.last = last  # the last step timed (later steps run untimed: bench's communication probe)
+        self.splits: list[dict[str, float]] = []  # of the timed steps
+
+    @property
+    def times(self) -> list[float]:
+        """Seconds of each timed step."""
+        return self.clock.times
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self.clock.device = loop.strategy.ctx.device
+        self.clock.restart()
+
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
+        if self.last is not None and step.global_step > self.last:
+            return
+        timed = self.clock.seen >= self.clock.warmup
+        self.clock()
+        if timed:
+            self.splits.append(step.times.split_ms())
+
+    def breakdown(self) -> dict[str, float]:
+        """Median of each part of the split over the timed steps (ms)."""
+        return {k: statistics.median(s[k] for s in self.splits) for k in self.splits[0]} if self.splits else {}
+
+    def fastest_split(self) -> dict[str, float]:
+        """The split of the fastest timed step (the one least disturbed by other work)."""
+        if not self.times:
+            return {}
+        return self.splits[min(range(len(self.times)), key=self.times.__getitem__)]
+
+
+class HeldState(Callback):
+    """MiB of parameters, gradients and optimizer state this rank holds, read once a step's
+    gradients exist (optimizer state is there from the second step on)."""
+
+    def __init__(self) -> None:
+        self.mib: dict[str, float] = {}
+
+    def on_gradients(self, loop: Loop) -> None:
+        if loop.position.global_step < 1 or self.mib:
+            return  # once: not on steps that are timed after it
+        params = list(loop.bare.parameters())
+        self.mib = {
+            "params": held_bytes(params) / 2**20,
+            "grads": held_bytes(p.grad for p in params) / 2**20,
+            "optimizer": held_bytes(optimizer_tensors(loop.optimizer)) / 2**20,
+        }
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

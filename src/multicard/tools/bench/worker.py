@@ -1,8 +1,10 @@
 """One rank of one bench cell: `python -m multicard.tools.bench.worker SPEC.json`.
 
-The multicard runner builds its run with `Assembly`, exactly as `multicard train`
-does, and drives `Trainer.fit` with callbacks that time each optimizer step and read its
-phase split; the other runners are the yardsticks (plain loop, frameworks). Rank 0 writes the
+The multicard runner trains the cell's config with `multicard train`'s own recipe
+(multicard.recipes.ImageClassifier, on multicard.Run), without validation or checkpoints and,
+unless bench --logging asks for them, without records; callbacks of the run's loop time each
+optimizer step and read its phase split, and under ddp a few more steps measure DDP's gradient
+all-reduce. The other runners are the yardsticks (plain loop, frameworks). Rank 0 writes the
 cell's result as JSON next to the spec.
 """
 
@@ -15,101 +17,87 @@ from typing import Any
 
 import torch
 
-from multicard.base.config import Config, config_from_dict
+from multicard.base.config import Config, config_from_dict, with_overrides
 from multicard.base.errors import MulticardError
-from multicard.engine.loop import Loop
-from multicard.engine.phases import summary_ms
-from multicard.engine.step_timer import StepTimer
-from multicard.engine.trainer import Callback, StepEnd, peak_memory_mb
-from multicard.run.assembly import Assembly
-from multicard.run.preflight import check_extras
+from multicard.recipes import ImageClassifier
+from multicard.run import Callback, Loop, StepEnd
+from multicard.runtime.clock import summary_ms
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.tools.bench.cells import COMM_STEPS
 from multicard.tools.bench.probes import (
     RAW_REPEATS,
     CommTimer,
+    HeldState,
+    StepTimer,
     gradient_bytes,
-    held_bytes,
-    optimizer_tensors,
     raw_allreduce_ms,
 )
 
 
-class HeldState(Callback):
-    """MiB of parameters, gradients and optimizer state this rank holds, read once a step's
-    gradients exist (optimizer state is there from the second step on)."""
+class CommProbe(Callback):
+    """After step `after` (the timed ones): the gradients' bytes, a raw all_reduce of that many bytes,
+    and (`hook`) DDP's achieved rate over the steps that follow, timed by a comm hook of CommTimer's;
+    a cell of few timed steps measures these few times too. A compression hook (ddp.comm_hook) sends
+    fewer bytes: its rate is not comparable, and not measured."""
 
-    def __init__(self) -> None:
-        self.mib: dict[str, float] = {}
-
-    def on_gradients(self, loop: Loop) -> None:
-        if loop.position.global_step < 1 or self.mib:
-            return  # once: not on steps that are timed after it
-        assert loop.bare is not None and loop.optimizer is not None  # attached: it is training
-        params = list(loop.bare.parameters())
-        self.mib = {
-            "params": held_bytes(params) / 2**20,
-            "grads": held_bytes(p.grad for p in params) / 2**20,
-            "optimizer": held_bytes(optimizer_tensors(loop.optimizer)) / 2**20,
-        }
-
-
-class CommSpans(Callback):
-    def __init__(self, timer: CommTimer) -> None:
-        self.timer = timer
+    def __init__(self, after: int, repeats: int, hook: bool) -> None:
+        self.after, self.repeats, self.hook = after, repeats, hook
+        self.timer = CommTimer()
+        self.result: dict[str, Any] = {}
 
     def on_step_end(self, loop: Loop, step: StepEnd) -> None:
-        self.timer.end_step()
+        if step.global_step > self.after:
+            self.timer.end_step()
+        elif step.global_step == self.after:
+            nbytes = gradient_bytes(loop.bare)
+            raw_ms = raw_allreduce_ms(nbytes, loop.strategy.ctx.device, repeats=self.repeats)
+            self.result = {"grad_mb": nbytes / 1e6, "raw_ms": raw_ms, "raw_gb_per_s": nbytes / raw_ms / 1e6}
+            if self.hook:
+                loop.model.register_comm_hook(None, self.timer.hook)
+
+    def rates(self) -> dict[str, Any]:
+        if not self.hook:
+            return {**self.result, "ddp_gb_per_s": None}
+        span_ms = sorted(self.timer.spans)[len(self.timer.spans) // 2] * 1000
+        return {**self.result, "ddp_span_ms": span_ms, "ddp_gb_per_s": self.result["grad_mb"] / span_ms / 1e3}
 
 
-def _allreduce(s: Assembly, start: int, steps: int) -> dict[str, Any]:
-    """Gradient bytes, a raw all_reduce of that many bytes, and DDP's achieved rate in training;
-    a cell of few timed steps measures these few times too."""
-    nbytes = gradient_bytes(s.trainer.bare)
-    raw_ms = raw_allreduce_ms(nbytes, s.ctx.device, repeats=min(steps, RAW_REPEATS))
-    out: dict[str, Any] = {"grad_mb": nbytes / 1e6, "raw_ms": raw_ms, "raw_gb_per_s": nbytes / raw_ms / 1e6}
-    if s.cfg.ddp.comm_hook != "none":
-        out["ddp_gb_per_s"] = None  # a compression hook sends fewer bytes; its rate is not comparable
-        return out
-    timer = CommTimer()
-    s.trainer.model.register_comm_hook(None, timer.hook)
-    s.trainer.fit([CommSpans(timer)], until=start + min(steps, COMM_STEPS), validate=False)
-    span_ms = sorted(timer.spans)[len(timer.spans) // 2] * 1000
-    out.update(ddp_span_ms=span_ms, ddp_gb_per_s=nbytes / span_ms / 1e6)
-    return out
+class PeakMemory(Callback):
+    """Every device's peak memory, from the run's epoch record (its last: after every step)."""
 
+    def __init__(self) -> None:
+        self.mb: list[float] = []
 
-def run_logs_of(s: Assembly) -> list[Callback]:
-    """The run's logging callbacks as `multicard train` attaches them, writing into the cell's out_dir."""
-    check_extras(s.cfg)
-    s.out_dir.mkdir(parents=True, exist_ok=True)
-    s.open_records(None)
-    return s.logs(None)
+    def on_epoch_end(self, loop: Loop, record: dict[str, Any], val: Any, best: bool) -> None:
+        self.mb = record["peak_mem_mb"]
 
 
 def run_multicard(cfg: Config, strategy: str, warmup: int, steps: int, logging: bool) -> dict[str, Any] | None:
-    with Assembly(cfg, detect_env()) as s:
-        trainer = s.trainer  # built before the timer starts
-        timer = StepTimer(s.ctx.device, warmup)
-        held = HeldState()
-        trainer.fit([timer, held, *(run_logs_of(s) if logging else [])], until=warmup + steps, validate=False)
-        comm = _allreduce(s, warmup + steps, steps) if strategy == "ddp" else None
-        peaks = [mb for rank in s.strategy.all_gather_object(peak_memory_mb(s.strategy.devices)) for mb in rank]
-        held_per_rank = s.strategy.all_gather_object(held.mib)
-        beats = s.strategy.all_gather_object(s.watchdog.cost.summary() if s.watchdog else None)
-        if not s.ctx.is_main:
+    timed, hook = warmup + steps, cfg.ddp.comm_hook == "none"
+    probe = CommProbe(timed, min(steps, RAW_REPEATS), hook) if strategy == "ddp" else None
+    extra = min(steps, COMM_STEPS) if probe is not None and hook else 0
+    cfg = with_overrides(cfg, [f"train.max_steps={timed + extra}"])
+    timer, held, peaks = StepTimer(warmup, last=timed), HeldState(), PeakMemory()
+    callbacks = [timer, held, peaks, *([probe] if probe is not None else [])]
+    with ImageClassifier(cfg, callbacks=callbacks, evaluate=False, records=logging, checkpoints=False) as recipe:
+        recipe.train()
+        run = recipe.run
+        held_per_rank = run.gather(held.mib)
+        beats = run.gather(run.heartbeat_cost())
+        if not run.is_main:
             return None
+        comm = probe.rates() if probe is not None else None
         return {
             "step_ms": summary_ms(timer.times),
             "times": timer.times,
             "breakdown": timer.breakdown(),
             "allreduce": comm,
-            "peak_mem_mb_per_device": peaks,
+            "peak_mem_mb_per_device": peaks.mb,
             "held_mib_per_rank": held_per_rank,
             "heartbeat_per_rank": beats if any(beats) else None,
             "threads": torch.get_num_threads(),
-            "loader": s.data.loader,
+            "loader": recipe.data.loader,
         }
 
 

@@ -64,7 +64,7 @@ class Measured:
 def run_steps(cfg: Config, processes: int, steps: int, workdir: Path | None = None,
               allreduce_bytes: list[int] | None = None, profile_memory: bool = True) -> Measured:  # fmt: skip
     """MEMORY_STEPS steps with memory measured, one warm-up step and `steps` timed steps of `cfg`
-    in `processes` workers (each builds its run with run.assembly.Assembly)."""
+    in `processes` workers (each runs multicard train's recipe: plan/worker.py)."""
     spec = {"config": to_dict(cfg), "memory_steps": MEMORY_STEPS, "warmup": 1, "steps": steps,
             "allreduce_bytes": allreduce_bytes or [], "profile_memory": profile_memory}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="multicard-plan-") as tmp:

@@ -11,7 +11,7 @@ after every op, records:
 - the op's FLOPs, by torch's own formulas (torch.utils.flop_counter's registry), the bytes
   it reads and writes (inputs + outputs; views move nothing), and of those the bytes written
   to storages the op allocated (on a CPU, fresh pages cost a page fault each),
-- the trainer's phase (forward, backward, optimizer, ...).
+- the loop's phase (forward, backward, optimizer, ...).
 
 It sees what the dispatcher sees: temporaries inside one kernel (oneDNN, cuDNN workspaces)
 are not in it; the memory rules add them.

@@ -1,10 +1,12 @@
 """One training step of the configured run, traced on fake tensors.
 
-The step is multicard's own: the model from `build_model`, placed by the single-device
-`Strategy.prepare` (dtype, channels_last, autocast), then the optimizer, schedule and Trainer
-as every run assembles them (session.assemble_trainer), and `Trainer.fit` itself, fed by a
-loader that hands out fake batches. Nothing is allocated and no GPU is needed; every op is
-recorded (ops.OpRecorder).
+The step is multicard's own: `multicard train`'s recipe (multicard.recipes.ImageClassifier, on
+multicard.Run) on one CPU device, its model placed by the single-device strategy (dtype,
+channels_last, autocast), its optimizer, schedule and EMA as a training run has them, fed by
+data that hands out fake batches, for one step (a callback ends it there). Nothing is allocated
+and no GPU is needed; every op is recorded (ops.OpRecorder). fp16 is traced as bf16: the same
+element size, without the loss scaler, which reads values back (inf checks) that fake tensors
+cannot answer (its memory is a few scalars); mixing (mixup/CutMix: a few elementwise ops) is left out.
 
 Besides the op series, the trace keeps what the strategy rules need: parameter, buffer,
 gradient and optimizer-state bytes (per parameter too: ZeRO-1 splits by parameter), the
@@ -14,6 +16,7 @@ the optimizer's temporaries when it runs unfused on shards (FSDP has a fused ker
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,30 +24,51 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from multicard.base.config import Config
+from multicard.base.config import Config, with_overrides
 from multicard.base.errors import UserError
-from multicard.run.session import assemble_trainer, training_schedule
-from multicard.runtime.process_group import ProcessContext
-from multicard.strategy import (
-    Precision,
-    build_model,
-    check_input_size,
-    choose_units,
-    fused_on_shards,
-    one_device_strategy,
-)
+from multicard.data import Data
+from multicard.recipes import ImageClassifier
+from multicard.run import Callback, Loop, StepEnd
+from multicard.strategy import choose_units, fused_on_shards, optimizer_recipe
 from multicard.tools.plan.fake import FakeWorld
 from multicard.tools.plan.ops import OpRecorder, OpSeries
 
-NEVER = 10**9  # steps per epoch and log interval of the traced run: it neither logs nor ends an epoch
+NEVER = 10**9  # samples and log interval of the traced run: it neither logs nor ends an epoch
 
 
-class TracePrecision(Precision):
-    """The run's precision, with fp16's loss scaler off: the scaler reads values back from the
-    device (inf checks), which fake tensors cannot answer; its memory is a few scalars."""
+class OneStep(Callback):
+    """Ends the traced run after its first step (before the next batch is drawn); the loop, for
+    the phase each op is recorded in."""
 
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        return torch.amp.GradScaler(self.device_type, enabled=False)
+    def __init__(self) -> None:
+        self.loop: Loop | None = None
+
+    @property
+    def phase(self) -> str:
+        return self.loop.phase if self.loop is not None else "idle"
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self.loop = loop
+
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
+        raise StepTraced
+
+
+class StepTraced(Exception):
+    """The traced step is done."""
+
+
+def trace_settings(cfg: Config, batch: int, out_dir: str) -> Config:
+    """The config as traced: one CPU process, micro-batch `batch`, nothing written, nothing that
+    needs a GPU or reads values back."""
+    return with_overrides(cfg, [
+        "strategy=single", "devices=cpu", "compile=false", "sync_bn=false", "data.decode=cpu",
+        f"precision={'bf16' if cfg.precision == 'fp16' else cfg.precision}", "ddp.shard_optimizer=false",
+        "ddp.comm_hook=none", f"train.global_batch_size={batch}", "train.grad_accum=1", "train.max_steps=0",
+        "train.resume=never", f"log_every={NEVER}", "mix.mixup_alpha=0", "mix.cutmix_alpha=0", "model.weights=null",
+        "checkpoint.dir=null", "checkpoint.format=auto", "debug.stall_s=0", "log.tensorboard=false",
+        "log.mlflow=false", "log.wandb=false", f"out_dir={out_dir}",
+    ])  # fmt: skip
 
 
 class FakeBatches:
@@ -60,6 +84,11 @@ class FakeBatches:
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         pass
+
+    def as_data(self) -> Data:
+        """The traced run's data: these batches (validation is not traced)."""
+        classes = [str(i) for i in range(self.num_classes)]
+        return Data(self, self, self.num_classes, classes, "device")
 
     def __len__(self) -> int:
         return NEVER
@@ -108,10 +137,6 @@ class StepTrace:
     units: list[Unit]
     # "foreach" / "loop": temporaries of the optimizer step on shards when it runs unfused there (0 when fused)
     optimizer_temps: dict[str, int] = field(default_factory=dict)
-
-
-def _trace_precision(cfg: Config) -> TracePrecision:
-    return TracePrecision(cfg.precision, "cpu")
 
 
 class UnitWatch:
@@ -179,24 +204,26 @@ def _state_bytes(state: dict) -> int:
 
 def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     """Trace one optimizer step of `cfg` at micro-batch `batch` on one device (no accumulation)."""
-    world = FakeWorld()
-    precision = _trace_precision(cfg)
-    cpu = ProcessContext(0, 0, 1, 1, torch.device("cpu"), False)
-    strategy = one_device_strategy(cpu, precision, cfg.model.channels_last)
-    with world.building():
-        bare = build_model(cfg.model.name, num_classes, dict(cfg.model.kwargs))
-        model = strategy.prepare(bare)  # before any forward: views of parameters would block its .to()
-        check_input_size(bare, cfg.model.name, cfg.data.image_size, num_classes)
-        schedule = training_schedule(cfg, NEVER, NEVER, grad_accum=1, log_every=NEVER)
-        fake = FakeBatches(batch, cfg.data.image_size, num_classes)
-        trainer, recipe = assemble_trainer(cfg, strategy, model, fake, None, schedule)
-        units = choose_units(bare, cfg.fsdp, cfg.model.name)
-    optimizer = trainer.optimizer
+    world, done = FakeWorld(), OneStep()
+    with tempfile.TemporaryDirectory(prefix="multicard-trace-") as tmp:
+        settings = trace_settings(cfg, batch, tmp)
+        with world.building():
+            fake = FakeBatches(batch, cfg.data.image_size, num_classes).as_data()
+            recipe = ImageClassifier(settings, callbacks=[done], evaluate=False, records=False, checkpoints=False,
+                                     data=fake)  # fmt: skip
+            units = choose_units(recipe.bare, cfg.fsdp, cfg.model.name)
+            optimizer = optimizer_recipe(recipe.bare, settings.optim, batch)  # for the unfused step's temporaries
+        with recipe:
+            return _traced(cfg, recipe, optimizer, units, world, done)
+
+
+def _traced(cfg: Config, recipe: Any, optim: Any, units: list[nn.Module], world: FakeWorld, done: OneStep) -> StepTrace:
+    bare, optimizer = recipe.bare, recipe.optimizer
     names = {id(m): n for n, m in bare.named_modules()}
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     params = [ParamInfo(n, p.numel(), p.numel() * p.element_size(), group_of.get(id(p), 0))
               for n, p in bare.named_parameters()]  # fmt: skip
-    recorder = OpRecorder(lambda: trainer.phase)
+    recorder = OpRecorder(lambda: done.phase)
     watch = UnitWatch(recorder, bare, units, names)
     by_id = {id(p): info for p, info in zip(bare.parameters(), params, strict=True)}
     for p in (p for p in bare.parameters() if p.requires_grad):
@@ -204,14 +231,15 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     with world.stepping():
         for t in [*bare.parameters(), *bare.buffers()]:
             recorder.track(t, persistent=True)
-        _run_one_step(trainer, recorder, cfg.model.name)
+        _run_one_step(recipe, recorder, cfg.model.name)
         for p in bare.parameters():
             state = optimizer.state.get(p)
             info = by_id[id(p)]
             info.state_bytes, info.unit = _state_bytes(state) if state else 0, watch.owner.get(id(p), -1)
-        temps = {"loop": _unfused_temps(recipe, bare, foreach=False), "foreach": _unfused_temps(recipe, bare, True)}
+        temps = {"loop": _unfused_temps(optim, bare, foreach=False), "foreach": _unfused_temps(optim, bare, True)}
         if cfg.optim.fused and fused_on_shards(cfg.optim.name):
             temps = {"loop": 0, "foreach": 0}  # fsdp runs the fused kernel on its shards too: no temporaries
+    batch = recipe.run.batch_split.micro_batch
     return StepTrace(
         batch=batch,
         ops=recorder.series(),
@@ -228,11 +256,13 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     )
 
 
-def _run_one_step(trainer: Any, recorder: OpRecorder, model_name: str) -> None:
+def _run_one_step(recipe: Any, recorder: OpRecorder, model_name: str) -> None:
     """The traced step, with every op recorded; a model whose step cannot run on fake tensors is one line."""
     try:
         with recorder, recorder.saving():
-            trainer.fit(until=1, validate=False)
+            recipe.train()
+    except StepTraced:
+        return
     except Exception as exc:  # noqa: BLE001 -- any failure of the user's model on fake tensors
         raise UserError(
             f"model.name={model_name}: multicard plan cannot trace its training step on fake tensors "

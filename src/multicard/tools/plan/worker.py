@@ -1,10 +1,10 @@
 """One rank of a `multicard plan --measure` run: `python -m multicard.tools.plan.worker SPEC.json`.
 
-The run is built by `Assembly`, exactly as `multicard train` builds it, and
-driven by `Trainer.fit`: first `memory_steps` steps with memory measured (CPU: the profiler's
-allocation events from before the session is built, through the first warm-up step; CUDA:
-torch.cuda.max_memory_allocated), then `warmup` untimed and `steps` timed steps. Rank 0 writes
-every rank's numbers as JSON.
+The run is `multicard train`'s own recipe (multicard.recipes.ImageClassifier, on multicard.Run),
+without validation, records or checkpoints; callbacks of its loop measure: first `memory_steps`
+steps with memory measured (CPU: the profiler's allocation events from before the run is built,
+through the first warm-up step; CUDA: torch.cuda.max_memory_allocated), then `warmup` untimed and
+`steps` timed steps. Rank 0 writes every rank's numbers as JSON.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from multicard.base.config import Config, config_from_dict, parse_devices
-from multicard.engine.step_timer import StepTimer
-from multicard.run.assembly import Assembly
+from multicard.base.config import Config, config_from_dict, parse_devices, with_overrides
+from multicard.recipes import ImageClassifier
+from multicard.run import Callback, Loop, StepEnd
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher, end_process
 from multicard.runtime.process_group import resolve_gpus
-from multicard.tools.bench.probes import raw_allreduce_ms
+from multicard.tools.bench.probes import StepTimer, raw_allreduce_ms
 from multicard.tools.plan.profiled_peak import window_peak
 
 MARKER = "multicard.tools.plan.steps"
@@ -44,6 +44,32 @@ def peak_rss() -> int:
     return 0
 
 
+class MemorySteps(Callback):
+    """The first `steps` steps with memory measured (CPU: the profiler's allocation events inside
+    MARKER's window; CUDA: torch.cuda.max_memory_allocated); on a CPU the warm-up's first step still
+    runs profiled: what it uses was alive through the memory steps (profiled_peak places the frees the
+    profiler cannot see by each block's last use)."""
+
+    def __init__(self, steps: int, warmup: int, cuda: bool, prof: Any) -> None:
+        self.steps, self.cuda, self.prof = steps, cuda, prof
+        self.warmed = min(1, warmup) if prof is not None and not cuda else 0
+        self.marker = record_function(MARKER)
+        self.peak = self.before = self.rss = 0
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self.marker.__enter__()
+
+    def on_step_end(self, loop: Loop, step: StepEnd) -> None:
+        if step.global_step == self.steps:
+            self.marker.__exit__(None, None, None)
+            self.rss = peak_rss()
+            if self.cuda:
+                self.peak = torch.cuda.max_memory_allocated(loop.strategy.ctx.device)
+        if self.prof is not None and step.global_step == self.steps + self.warmed:
+            self.prof.stop()
+            self.peak, self.before = window_peak(self.prof, MARKER)
+
+
 def run_rank(
     cfg: Config,
     memory_steps: int,
@@ -54,7 +80,6 @@ def run_rank(
 ) -> dict[str, Any] | None:
     """Run the steps; CPU tensor memory is profiled only with `profile_memory` (the profiler holds
     memory of its own, which the resident-memory peak would then include)."""
-    env = detect_env()
     cuda = bool(resolve_gpus(parse_devices(cfg.devices)))
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
     # record_shapes: which ops used each block (window_peak places frees the profiler could not see)
@@ -63,51 +88,32 @@ def run_rank(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     elif prof is not None:
-        prof.start()
-    with Assembly(cfg, env) as s:
-        s.trainer  # noqa: B018 -- the whole run is built where the memory profile starts, as train builds it
-        peak, before, rss, warmed = _memory_steps(s, memory_steps, warmup, cuda, prof)
-        timer = StepTimer(s.ctx.device, warmup - warmed)
-        s.trainer.fit([timer], until=memory_steps + warmup + steps, validate=False)
-        timed = timer.times
+        prof.start()  # before the run is built, as train builds it
+    memory = MemorySteps(memory_steps, warmup, cuda, prof)
+    timer = StepTimer(memory_steps + warmup)  # after the memory window's callback: its work is not a step's
+    cfg = with_overrides(cfg, [f"train.max_steps={memory_steps + warmup + steps}"])
+    with ImageClassifier(cfg, callbacks=[memory, timer], evaluate=False, records=False, checkpoints=False) as recipe:
+        recipe.train()
+        run, timed = recipe.run, timer.times
         mine = {
-            "rank": s.ctx.rank,
-            "peak_bytes": peak,
-            "before_steps_bytes": before,
+            "rank": run.rank,
+            "peak_bytes": memory.peak,
+            "before_steps_bytes": memory.before,
             "step_s": statistics.median(timed) if timed else None,
             "step_s_all": timed,
             "split_ms": timer.breakdown(),
             "split_min_ms": timer.fastest_split(),
             "threads": torch.get_num_threads(),
-            "device": str(s.ctx.device),
-            "loader": s.data.loader,
-            "micro_batch": s.batch_split.micro_batch,
-            "rss_peak_bytes": rss,  # after the memory steps, before the profile is read
+            "device": str(run.device),
+            "loader": recipe.data.loader,
+            "micro_batch": run.batch_split.micro_batch,
+            "rss_peak_bytes": memory.rss,  # after the memory steps, before the profile is read
         }
-        ranks = s.strategy.all_gather_object(mine)
+        ranks = run.gather(mine)
         allreduce = {}
-        if s.ctx.world_size > 1:  # the raw collective's time, for calibrate's bandwidth fit
-            allreduce = {n: raw_allreduce_ms(n, s.ctx.device) for n in allreduce_bytes or []}
-        return {"ranks": ranks, "allreduce_ms": allreduce} if s.ctx.is_main else None
-
-
-def _memory_steps(s: Any, memory_steps: int, warmup: int, cuda: bool, prof: Any) -> tuple[int, int, int, int]:
-    """(peak tensor bytes of the memory steps, bytes live before them, peak resident memory after
-    them, warm-up steps run here). On a CPU the warm-up step still runs profiled: what it uses was
-    alive through the memory steps (profiled_peak places the frees the profiler cannot see by
-    each block's last use)."""
-    with record_function(MARKER):
-        s.trainer.fit([], until=memory_steps, validate=False)
-    rss = peak_rss()
-    if cuda:
-        return torch.cuda.max_memory_allocated(s.ctx.device), 0, rss, 0
-    if prof is None:
-        return 0, 0, rss, 0
-    warmed = min(1, warmup)
-    s.trainer.fit([], until=memory_steps + warmed, validate=False)
-    prof.stop()
-    peak, before = window_peak(prof, MARKER)
-    return peak, before, rss, warmed
+        if run.world_size > 1:  # the raw collective's time, for calibrate's bandwidth fit
+            allreduce = {n: raw_allreduce_ms(n, run.device) for n in allreduce_bytes or []}
+        return {"ranks": ranks, "allreduce_ms": allreduce} if run.is_main else None
 
 
 def main(argv: list[str]) -> int:

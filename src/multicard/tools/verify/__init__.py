@@ -7,8 +7,8 @@ started through torchrun's API:
 1. the job: N processes for K steps; with the resume check it writes the checkpoint a stop
    writes at a step inside an epoch, and records its whole state there and at step K;
 2. (resume) the job resumed from that checkpoint in fresh processes of the same layout;
-3. one process: the reference run for K steps, then (resume) the job resumed there too — the
-   checkpoint replaces what the run had reached, so any state it lacks shows as a difference.
+3. one process: the reference run for K steps, then (resume) the job resumed there too, in a run
+   of its own: any state the checkpoint lacks shows as a difference.
 
 Checks: parity (parameters after K steps agree), eval (the same parameters evaluate
 identically at both world sizes), coverage (every sample once per epoch, a new order each
@@ -145,7 +145,8 @@ def _nowhere_to_stop(options: VerifyOptions) -> UserError:
 
 def _configs(options: VerifyOptions, user: Config, root: Path, probe: torch.nn.Module) -> Runs:
     steps = options.steps
-    fixed = ["precision=fp64", f"train.max_steps={steps}", "train.resume=never", "checkpoint.every_steps=0"]
+    fixed = ["precision=fp64", f"train.max_steps={steps}", "train.resume=never", "checkpoint.every_steps=0",
+             f"checkpoint.keep_last={steps + 1}"]  # every checkpoint kept: the one a stop writes inside an epoch too
     if user.data.name == "synthetic":  # two epochs inside K steps, so epoch changes are exercised
         fixed.append(f"data.train_size={user.train.global_batch_size * _synthetic_epoch(steps)}")
     strategy = user.strategy if user.strategy in ("ddp", "fsdp") else "ddp"  # the layout to check
@@ -246,7 +247,7 @@ def _run_all(options: VerifyOptions, runs: Runs, dropout: bool) -> tuple[dict[st
         return job, {}
     spec = {
         "train": "reference" if reference else None,
-        "reference": str(Path(runs.job.out_dir) / "params.pt"),  # evaluated by one process
+        "reference": str(Path(runs.job.out_dir) / "checkpoints"),  # its last checkpoint, evaluated by one process
         "resume": checkpoint if across else None,
         "steps": steps,
         "faults": faults,

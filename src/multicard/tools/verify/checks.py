@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from multicard.engine.trainer import OPTIMIZER_KERNEL_KEYS
+from multicard.strategy import OPTIMIZER_KERNEL_KEYS
 
 CHECKS = ("parity", "eval", "coverage", "resume")  # what `multicard verify --checks` may select
 RUN_FAULTS = ("no-set-epoch", "rank-seed")  # the job's setup broken on purpose (`multicard verify --break`)
@@ -144,7 +144,7 @@ def has_batchnorm(model: nn.Module) -> bool:
 # ---------------------------------------------------------------- resume
 
 # What a resumed run must continue, by name, and where each lives in a recorded state
-# (`Trainer.state_dict(whole=True)` plus `next_batch`, the samples of the step the run takes next).
+# (the loop's `state_dict(whole=True)` plus `next_batch`, the samples of the step the run takes next).
 STATE_PARTS = {
     "model": ("model",),
     "optimizer": ("optimizer", "scaler"),

@@ -1,16 +1,17 @@
 """One rank of a verify run: `python -m multicard.tools.verify.worker SPEC.json`.
 
-Builds the run with `Assembly` as `multicard train` does and drives `Trainer.fit`.
-A run does up to two things, in this order, recording what the checks compare:
+Trains the config with `multicard train`'s own recipe (multicard.recipes.ImageClassifier, on
+multicard.Run: K steps are train.max_steps), without validation or records; callbacks of its loop
+record what the checks compare. A verify run does up to two things, in this order:
 
 - `train`: K optimizer steps from scratch, as "job" (the configured setup, with its faults; at
-  step `cut`, inside an epoch, it writes the checkpoint a stop there writes, through the
-  Checkpointer, and records its whole state there and at the end) or as "reference" (one process,
-  never broken). Rank 0 saves the parameters and an evaluation of the reference parameters (or of
-  its own) with this many processes, and the samples each rank is given in the first epochs.
-- `resume`: continue the checkpoint at `resume` to step K, recording the state right after
-  loading it and at the end. In a run that trained first, loading it replaces what the run had
-  reached at step K, so any state the checkpoint lacks shows as a difference.
+  step `cut`, inside an epoch, it writes the checkpoint a stop there writes (run.save) and records
+  its whole state there and at the end) or as "reference" (one process, never broken). Rank 0
+  saves the parameters and an evaluation of the reference parameters (the job's last checkpoint)
+  or of its own with this many processes, and the samples each rank is given in the first epochs.
+- `resume`: continue the checkpoint at `resume` to step K in a run of its own (train.resume),
+  recording the state right after loading it and at the end: any state the checkpoint lacks
+  shows as a difference from the uninterrupted job's.
 
 Faults break the setup on purpose, so users (and our tests) can see verify catch it:
 no-set-epoch (the sampler never learns the epoch) or rank-seed (each rank shuffles with its
@@ -28,15 +29,14 @@ from typing import Any
 
 import torch
 
-from multicard.base.config import config_from_dict
+from multicard.base.config import Config, config_from_dict, with_overrides
 from multicard.base.errors import MulticardError
-from multicard.checkpoint import Checkpointer, edit_resume_state
-from multicard.engine.loop import Loop, Stateful
-from multicard.engine.trainer import Callback, StepEnd, evaluate, rng_state
-from multicard.run.assembly import Assembly
-from multicard.run.session import seed_process
+from multicard.checkpoint import edit_resume_state
+from multicard.recipes import ImageClassifier
+from multicard.run import Callback, Loop, Run, StepEnd
 from multicard.runtime.environment import detect_env
 from multicard.runtime.exits import die_with_launcher, end_process
+from multicard.runtime.seeding import rng_state, seed_process
 from multicard.tools.verify.checks import RESUME_FAULTS, resume_cut
 
 COVERAGE_EPOCHS = 2
@@ -60,16 +60,16 @@ def _sample_indices(loader: Any, epochs: int) -> list[list[int]]:
     return out
 
 
-def _global_batch(s: Assembly, epoch: int, step: int, walk: bool) -> list[int]:
+def _global_batch(recipe: ImageClassifier, epoch: int, step: int, walk: bool) -> list[int]:
     """The samples, over all ranks, of optimizer step `step` of `epoch`: reached by walking the
     epoch from its start (as an uninterrupted run reaches it) or by asking the loader to start
     there (as a resumed run does). Sorted: the order within a global batch depends on the world size."""
-    loader: Any = s.trainer.train_loader  # its sampler too, as _inject reaches it: the recipe's loaders have one
-    accum = s.batch_split.grad_accum
+    loader: Any = recipe.data.train  # its sampler too, as _inject reaches it: the recipe's loaders have one
+    accum = recipe.run.batch_split.grad_accum
     loader.set_epoch(epoch, 0 if walk else step)
     skip = step * accum if walk else 0
     mine = [i for batch in itertools.islice(loader.sampler, skip, skip + accum) for i in batch.tolist()]
-    return sorted(i for rank in s.strategy.all_gather_object(mine) for i in rank)
+    return sorted(i for rank in recipe.run.gather(mine) for i in rank)
 
 
 def _cpu(tree: Any) -> Any:
@@ -83,25 +83,33 @@ def _cpu(tree: Any) -> Any:
     return tree
 
 
-def _state(run: Stateful, next_batch: list[int] | None = None) -> dict[str, Any]:
-    """The run's whole state (model and optimizer gathered on rank 0), of the trainer or the loop it
-    drives; every rank calls it."""
-    state = _cpu(run.state_dict(whole=True))
+def _state(loop: Loop, next_batch: list[int] | None = None) -> dict[str, Any]:
+    """The run's whole state (model and optimizer gathered on rank 0); every rank calls it."""
+    state = _cpu(loop.state_dict(whole=True))
     return state if next_batch is None else {**state, "next_batch": next_batch}
 
 
-class StopAt(Callback):
-    """At step `step`: write the checkpoint a stop there writes and record the state there."""
+class Record(Callback):
+    """The run's loop, for its states; at step `cut` (if any): the checkpoint a stop there writes,
+    and the state there; at the start (`started`: a resumed run's), the state right after loading."""
 
-    def __init__(self, step: int, checkpointer: Checkpointer, next_batch: list[int]) -> None:
-        self.step, self.checkpointer, self.next_batch = step, checkpointer, next_batch
+    def __init__(self, started: bool = False) -> None:
+        self.started = started
+        self.cut: int | None = None
+        self.run: Run | None = None
+        self.next_batch: Any = None  # the samples of the step after the cut, or a function giving them
+        self.loop: Loop | None = None
         self.path: Path | str | None = None
         self.state: dict[str, Any] = {}
 
+    def on_fit_start(self, loop: Loop) -> None:
+        self.loop = loop
+        if self.started:
+            self.state = _state(loop, self.next_batch(loop.position))
+
     def on_step_end(self, loop: Loop, step: StepEnd) -> None:
-        if step.global_step == self.step:
-            self.path = self.checkpointer.save(loop)
-            self.checkpointer.finish_writing()
+        if step.global_step == self.cut and self.run is not None:
+            self.path = self.run.save()
             self.state = _state(loop, self.next_batch)
 
 
@@ -121,46 +129,52 @@ def _break_checkpoint(path: Path | str, faults: list[str], seed: int) -> None:
     edit_resume_state(path, drop)
 
 
-def _train(s: Assembly, spec: dict[str, Any], summary: dict[str, Any], states: dict[str, Any]) -> None:
-    trainer, loader, job = s.trainer, s.trainer.train_loader, spec["train"] == "job"
-    if job:
-        _inject(spec["faults"], loader, s.ctx.rank)
-    coverage = s.strategy.all_gather_object(_sample_indices(loader, COVERAGE_EPOCHS))
-    spe = trainer.schedule.steps_per_epoch
-    cut = resume_cut(spec["steps"], spe) if spec.get("stop") else None
-    stop = None
-    if cut is not None:
-        stop = StopAt(cut, s.checkpointer, _global_batch(s, cut // spe, cut % spe, walk=True))
-    trainer.fit([stop] if stop else [], until=spec["steps"], validate=False)
-    if stop is not None:
-        states.update(cut=stop.state, end=_state(trainer))
-    params = s.strategy.whole_model_state(trainer.bare)
-    reference = spec.get("reference")
-    if reference:  # evaluate the job's parameters with this many processes
-        s.strategy.load_whole_model_state(trainer.bare, torch.load(reference, weights_only=True))
-    summary["eval"] = evaluate(trainer.bare, s.data.val, s.strategy).as_dict()
-    summary["coverage"] = [[coverage[r][e] for r in range(len(coverage))] for e in range(COVERAGE_EPOCHS)]
-    summary["num_samples"] = loader.num_samples
-    if s.ctx.is_main:
-        torch.save(params, spec["params"])
-    if stop is not None and stop.path is not None:
-        summary["cut"] = {"step": cut, "epoch": cut // spe, "step_in_epoch": cut % spe, "steps_per_epoch": spe}
-        summary["checkpoint"] = str(stop.path)
-        breaks = [f for f in spec["faults"] if f in RESUME_FAULTS]
-        if breaks and s.ctx.is_main:
-            _break_checkpoint(stop.path, breaks, s.cfg.seed)
-        s.strategy.barrier()
+def _train(cfg: Config, spec: dict[str, Any], summary: dict[str, Any], states: dict[str, Any]) -> None:
+    record, job = Record(), spec["train"] == "job"
+    with ImageClassifier(cfg, callbacks=[record], evaluate=False, records=False) as recipe:
+        run, loader = recipe.run, recipe.data.train
+        assert loader is not None  # a training run's
+        if job:
+            _inject(spec["faults"], loader, run.rank)
+        coverage = run.gather(_sample_indices(loader, COVERAGE_EPOCHS))
+        spe = recipe.batches.steps_per_epoch
+        cut = resume_cut(spec["steps"], spe) if spec.get("stop") else None
+        if cut is not None:
+            record.cut, record.run = cut, run
+            record.next_batch = _global_batch(recipe, cut // spe, cut % spe, walk=True)
+        recipe.train()
+        assert record.loop is not None
+        end = _state(record.loop)
+        if cut is not None:
+            states.update(cut=record.state, end=end)
+        reference = spec.get("reference")
+        if reference:  # evaluate the job's parameters (its last checkpoint) with this many processes
+            last = Path(reference) / "last.pt"  # a single file, or the sharded format's step directory
+            run.load_weights(recipe.model, str(last if last.exists() else last.with_suffix("")))
+        summary["eval"] = recipe.evaluate().as_dict()
+        summary["coverage"] = [[coverage[r][e] for r in range(len(coverage))] for e in range(COVERAGE_EPOCHS)]
+        summary["num_samples"] = loader.num_samples
+        if run.is_main:
+            torch.save(end["model"], spec["params"])
+        if cut is not None and record.path is not None:
+            summary["cut"] = {"step": cut, "epoch": cut // spe, "step_in_epoch": cut % spe, "steps_per_epoch": spe}
+            summary["checkpoint"] = str(record.path)
+            breaks = [f for f in spec["faults"] if f in RESUME_FAULTS]
+            if breaks and run.is_main:
+                _break_checkpoint(record.path, breaks, cfg.seed)
+            run.barrier()
 
 
-def _resume(s: Assembly, spec: dict[str, Any], states: dict[str, Any]) -> None:
-    trainer = s.trainer
-    if spec["train"] != "job":
-        _inject(spec["faults"], trainer.train_loader, s.ctx.rank)  # the job resumes as it was set up
-    s.checkpointer.restore(Path(spec["resume"]), trainer.loop)
-    pos = trainer.position
-    states["resumed"] = _state(trainer, _global_batch(s, pos.epoch, pos.step_in_epoch, walk=False))
-    trainer.fit(until=spec["steps"], validate=False)
-    states["resumed_end"] = _state(trainer)
+def _resume(cfg: Config, spec: dict[str, Any], states: dict[str, Any]) -> None:
+    record = Record(started=True)
+    with ImageClassifier(with_overrides(cfg, [f"train.resume={spec['resume']}"]), callbacks=[record],
+                         evaluate=False, records=False) as recipe:  # fmt: skip
+        if spec["train"] != "job":
+            _inject(spec["faults"], recipe.data.train, recipe.run.rank)  # the job resumes as it was set up
+        record.next_batch = lambda pos: _global_batch(recipe, pos.epoch, pos.step_in_epoch, walk=False)
+        recipe.train()
+        assert record.loop is not None
+        states["resumed"], states["resumed_end"] = record.state, _state(record.loop)
 
 
 def main(argv: list[str]) -> int:
@@ -170,13 +184,13 @@ def main(argv: list[str]) -> int:
     summary: dict[str, Any] = {}
     states: dict[str, Any] = {}
     try:
-        with Assembly(config_from_dict(spec["config"]), env) as s:
-            if spec["train"]:
-                _train(s, spec, summary, states)
-            if spec.get("resume"):
-                _resume(s, spec, states)
-            if s.ctx.is_main:
-                torch.save(states, spec["states"])
+        cfg = config_from_dict(spec["config"])
+        if spec["train"]:
+            _train(cfg, spec, summary, states)
+        if spec.get("resume"):
+            _resume(cfg, spec, states)
+        if env.is_main:
+            torch.save(states, spec["states"])
     except MulticardError as exc:  # rank 0's reason is said once, by `multicard verify`
         summary = {"failed": str(exc), "exit_code": int(exc.exit_code)}
         if not env.is_main:

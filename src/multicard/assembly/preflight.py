@@ -1,18 +1,19 @@
 """Cheap checks made before anything starts: the out_dir can be written, the optional packages the
-config asks for are installed, and (`check_training_run`, the one list of a training run's checks) fsdp.units
-and the resume settings hold.
+config asks for are installed, and, for a run of a config (`check_training_run`, the one list of
+its checks), fsdp.units and the resume settings hold.
 
 `preflight` makes them once per run, where they belong: multicard's launcher makes them before it
-starts any worker (and holds out_dir's lock on node 0), and its workers make none; a training
-process no launcher of multicard's started (one process, torchrun, srun) makes them itself, and
-its rank 0 holds the lock. A user's loop (multicard.Run) claims out_dir with `claim_out_dir`."""
+starts any worker of `multicard train` (and holds out_dir's lock on node 0), and its workers make
+none (their plan says so: plan.py `checked`); every other run makes them as it starts (the parts
+of a Run: parts.py), before its process group: one process, torchrun, srun, and a script's
+workers under `multicard run`, whose launcher knows nothing of its config; there rank 0 holds the
+lock."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from multicard.base.config import Config, LogConfig, check_local_path, to_dict
@@ -80,6 +81,15 @@ def check_training_run(cfg: Config) -> None:
     check_resume_settings(Path(cfg.out_dir) / "checkpoints", cfg.train.resume, to_dict(cfg))
 
 
+def check_run(cfg: Config, script: str | None) -> None:
+    """The checks of a run of `cfg` (a script's: those of the config it has; its model and data are
+    its own, its length known only when its loop begins)."""
+    if script is None:
+        check_training_run(cfg)
+    else:
+        check_extras(cfg)
+
+
 def claim_out_dir(path: str, hold: bool, say: Callable[[str], None], checkpoint_dir: str | None = None) -> RunLock:
     """out_dir, made and checked writable, with its lock, and checkpoint.dir's lock where it is given
     (a folder or a URL other runs may also name): held when `hold` (the run's holder). A run refused
@@ -98,15 +108,9 @@ def claim_out_dir(path: str, hold: bool, say: Callable[[str], None], checkpoint_
     return lock
 
 
-@contextmanager
-def preflight(cfg: Config, hold_lock: bool, say: Callable[[str], None] = print) -> Iterator[RunLock]:
-    """A training run's checks (`check_training_run`) and out_dir claimed (`claim_out_dir`), for as long as
-    the run lasts: see the module docstring for who calls it. A run refused inside (bad input)
-    leaves out_dir as it found it (what a run wrote before failing stays)."""
-    check_training_run(cfg)
-    with claim_out_dir(cfg.out_dir, hold_lock, say, cfg.checkpoint.dir) as lock:
-        try:
-            yield lock
-        except UserError:
-            lock.refused()
-            raise
+def preflight(cfg: Config, hold_lock: bool, say: Callable[[str], None] = print, script: str | None = None) -> RunLock:
+    """A run's checks (`check_run`), then out_dir claimed (`claim_out_dir`): its lock, held for as long
+    as the run lasts (release it, or use it as a context manager). See the module docstring for who
+    calls it; a run refused after it (bad input) calls `lock.refused()` to leave out_dir as it found it."""
+    check_run(cfg, script)
+    return claim_out_dir(cfg.out_dir, hold_lock, say, cfg.checkpoint.dir)

@@ -1,4 +1,6 @@
-"""An exponential moving average of the weights, kept beside the model on every rank.
+"""An exponential moving average of the weights, kept beside the model on every rank: a component
+of `multicard train`'s classifier recipe, registered with its Run as a part of the checkpoints
+(run.register: written as the model is, sharded under fsdp).
 
 The average covers parameters and floating-point buffers (BatchNorm's running statistics: an
 averaged network needs statistics that belong to it) and is updated with torch's own EMA step
@@ -43,23 +45,24 @@ def averaged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightAverage:
-    """EMA of `model`'s weights, updated every `every` steps; up to `start` steps (and at the first
-    update after it) an update copies the model instead, as torch's AveragedModel does at its
-    first update and torchvision's recipes do during the warm-up. Which updates copy follows from
-    the step alone, so a resumed run needs no counter of its own."""
+    """EMA of `model`'s weights (the bare module, as the strategy placed it), updated every `every`
+    steps; up to `start` steps (and at the first update after it) an update copies the model instead,
+    as torch's AveragedModel does at its first update and torchvision's recipes do during the warm-up.
+    Which updates copy follows from the step alone, so a resumed run needs no counter of its own."""
 
     def __init__(self, model: nn.Module, decay: float, every: int, start: int = 0) -> None:
+        self.model = model
         self.every = every
         self.start = start
         self.update_fn = get_ema_multi_avg_fn(decay)
         with torch.no_grad():
             self.tensors = {name: local(t).detach().clone() for name, t in averaged_tensors(model).items()}
 
-    def update(self, model: nn.Module, step: int) -> None:
+    def update(self, step: int) -> None:
         """After optimizer step `step` (1-based)."""
         if step % self.every:
             return
-        current = averaged_tensors(model)
+        current = averaged_tensors(self.model)
         names = list(self.tensors)
         ours, theirs = [self.tensors[n] for n in names], [local(current[n]).detach() for n in names]
         if step - self.every <= self.start:
@@ -70,9 +73,9 @@ class WeightAverage:
             self.update_fn(ours, theirs, step)
 
     @contextmanager
-    def swapped_in(self, model: nn.Module) -> Iterator[None]:
+    def swapped_in(self) -> Iterator[None]:
         """The model holds the average inside the block, its own weights again after it."""
-        current = averaged_tensors(model)
+        current = averaged_tensors(self.model)
         with torch.no_grad():
             kept = {n: local(current[n]).clone() for n in self.tensors}
             for n, t in self.tensors.items():
@@ -84,10 +87,10 @@ class WeightAverage:
                 for n, t in kept.items():
                     local(current[n]).copy_(t)
 
-    def state_dict(self, model: nn.Module, whole: bool = False) -> dict[str, torch.Tensor]:
+    def state_dict(self, whole: bool = False) -> dict[str, torch.Tensor]:
         """By the model's state-dict names, laid out as the model's tensors are: DTensors of this
         rank's shards under fsdp (whole tensors with `whole`: a collective), else whole tensors."""
-        current = averaged_tensors(model)
+        current = averaged_tensors(self.model)
         out: dict[str, torch.Tensor] = {}
         for n, t in self.tensors.items():
             ref = current[n]
@@ -99,9 +102,9 @@ class WeightAverage:
             out[n] = t
         return out
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """From `state_dict`'s layout, or whole tensors (a checkpoint file) cut to this rank's shards."""
-        current = averaged_tensors(model)
+        current = averaged_tensors(self.model)
         with torch.no_grad():
             for n, t in self.tensors.items():
                 value, ref = state[n], current[n]
