@@ -125,18 +125,19 @@ def test_resume_never_starts_afresh(tmp_path):
 
 
 def test_rotation_keeps_last_k_and_best(tmp_path):
-    cfg = load_config(None, [*TINY, "checkpoint.keep_last=2", f"out_dir={tmp_path}"])
+    cfg = load_config(None, [*TINY, "checkpoint.keep_last=2", f"out_dir={tmp_path / 'run'}"])
+    folder = tmp_path / "checkpoints"
     with ImageClassifier(cfg, env=ProcessEnv("none"), records=False, checkpoints=False) as recipe:
         loop, strategy = recipe.run.training.loop, recipe.run.parts.strategy  # the run's, not yet begun
         facts = RunFacts(to_dict(cfg), recipe.data.classes, recipe.batches.steps_per_epoch, 1, recipe.data.fingerprint)
-        checkpointer = Checkpointer(tmp_path, strategy, cfg.checkpoint, facts)
+        checkpointer = Checkpointer(folder, strategy, cfg.checkpoint, facts)
         for step, best in [(5, True), (10, False), (15, True), (20, False), (25, False)]:
             recipe.run.position.global_step = step
             checkpointer.save(loop, best=best)
-    assert [p.name for p in checkpoints_in(tmp_path)] == ["step-000000025.pt", "step-000000020.pt"]
-    assert load_file(tmp_path / "last.pt")["step"] == 25
-    assert load_file(tmp_path / "best.pt")["step"] == 15  # outlives its rotated step file
-    assert not list(tmp_path.glob(".*"))  # no temporaries
+    assert [p.name for p in checkpoints_in(folder)] == ["step-000000025.pt", "step-000000020.pt"]
+    assert load_file(folder / "last.pt")["step"] == 25
+    assert load_file(folder / "best.pt")["step"] == 15  # outlives its rotated step file
+    assert not list(folder.glob(".*"))  # no temporaries
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
