@@ -51,7 +51,10 @@ class Assembly:
         self.watchdog: Watchdog | None = None  # heartbeats and stall reports, once a loop is watched
         self._checkpointer: Checkpointer | None = None
 
-    cfg: Config = property(lambda self: self.plan.cfg)  # type: ignore[assignment]
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
     out_dir = property(lambda self: Path(self.plan.cfg.out_dir))
 
     def claim(self) -> None:
@@ -68,8 +71,15 @@ class Assembly:
     def _process(self) -> tuple[ProcessContext, Strategy]:
         return start_process(self.plan.cfg, self.plan.env, self.plan.topology)
 
-    ctx: ProcessContext = property(lambda self: self._process[0], doc="rank, world size, device")  # type: ignore[assignment]
-    strategy: Strategy = property(lambda self: self._process[1], doc="single, dp, ddp or fsdp")  # type: ignore[assignment]
+    @property
+    def ctx(self) -> ProcessContext:
+        """rank, world size, device"""
+        return self._process[0]
+
+    @property
+    def strategy(self) -> Strategy:
+        """single, dp, ddp or fsdp"""
+        return self._process[1]
 
     @property
     def split(self) -> BatchSplit:

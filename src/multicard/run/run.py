@@ -34,7 +34,7 @@ from multicard.assembly.plan import RunPlan, plan_run
 from multicard.base.config import Config
 from multicard.base.errors import UserError
 from multicard.checkpoint import checkpoint_store
-from multicard.data import BatchSplit, Data
+from multicard.data import Data
 from multicard.data.loading.keyed import Transform
 from multicard.engine.loop import Callback, Position
 from multicard.run.ending import forget, on_error
@@ -48,7 +48,6 @@ from multicard.run.training import Training
 from multicard.run.weights import checkpoint_path, load_weights
 from multicard.runtime.environment import ProcessEnv, detect_env
 from multicard.runtime.exits import die_with_launcher
-from multicard.runtime.process_group import ProcessContext
 from multicard.runtime.seeding import seed_process
 
 
@@ -97,14 +96,14 @@ class Run:
         self.state = self.training.state  # the user's own resumable values (run.state["best"] = ...)
         atexit.register(self.close)
 
-    context: ProcessContext = property(lambda self: self.parts.ctx, doc="rank, world size, device: the process")  # type: ignore[assignment]
+    context = property(lambda self: self.parts.ctx, doc="rank, world size, device: the process (ProcessContext)")
     rank = property(lambda self: self.parts.ctx.rank, doc="this process's rank, 0..world_size-1")
     local_rank = property(lambda self: self.parts.ctx.local_rank)
     world_size = property(lambda self: self.parts.ctx.world_size)
     device = property(lambda self: self.parts.ctx.device, doc="where the model and batches are")
     is_main = property(lambda self: self.parts.ctx.is_main, doc="rank 0, which writes the run's files")
     out_dir = property(lambda self: self.parts.out_dir)
-    batch_split: BatchSplit = property(lambda self: self.parts.split, doc="global batch, micro-batch, grad_accum")  # type: ignore[assignment]
+    batch_split = property(lambda self: self.parts.split, doc="global batch, micro-batch, grad_accum (BatchSplit)")
     # checkpoint.dir (a path, or a URL as text), else out_dir/checkpoints
     checkpoint_dir = property(
         lambda self: checkpoint_store(self.parts.out_dir / "checkpoints", self.parts.cfg.checkpoint.dir).location()
