@@ -9,7 +9,7 @@ import pytest
 
 from conftest import cli
 from multicard.base.errors import UserError
-from multicard.engine.phases import summary_ms
+from multicard.runtime.clock import summary_ms
 from multicard.tools.bench.cells import DEFAULT_VARIANT, Cell, Variant, choose_cells, parse_variant
 from multicard.tools.bench.outputs import heartbeat_lines
 from multicard.tools.bench.runner import make_rows

@@ -8,7 +8,9 @@ quirks of torch's FakeTensorMode are handled here:
 - `Module.to()` replaces fake parameters by swapping tensors, which torch refuses while a weak
   reference to the parameter exists, and the mode's memo of converted tensors holds weak
   references. So the memo holds strong references while the model is built and placed, and
-  weak ones again before the step is traced (a strong memo would keep activations alive).
+  weak ones again before the step is traced (a strong memo would keep activations alive). What a
+  forward without gradients makes while the model is built (the check of its input size) is held
+  weakly even then: no parameter is made there, and a view of one, held, would block its swap.
 """
 
 from __future__ import annotations
@@ -41,13 +43,39 @@ def no_init() -> Iterator[None]:
             setattr(torch.nn.init, name, fn)
 
 
+class BuildingMemo(dict):
+    """The fake mode's memo of converted tensors while a model is built: strong references, but for
+    what a forward without gradients makes (weak ones, see the module docstring)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value if torch.is_grad_enabled() else weakref.ref(value))
+
+    def __getitem__(self, key: Any) -> Any:
+        value = super().__getitem__(key)
+        if isinstance(value, weakref.ref):
+            value = value()
+            if value is None:
+                raise KeyError(key)
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def tensors(self) -> dict[Any, Any]:
+        """The tensors it holds, those held weakly that are still alive included."""
+        return {key: value for key in list(self) if (value := self.get(key)) is not None}
+
+
 class FakeWorld:
     """One FakeTensorMode for one plan trace: `building()` to make and place the model, then
     `stepping()` to run it."""
 
     def __init__(self) -> None:
         self.mode = FakeTensorMode()
-        self._set_memo(dict(self._memo()))
+        self._set_memo(BuildingMemo(self._memo()))
 
     def _memo(self) -> Any:
         return self.mode.fake_tensor_converter.meta_converter.tensor_memo
@@ -62,6 +90,6 @@ class FakeWorld:
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
-        self._set_memo(weakref.WeakValueDictionary(self._memo()))
+        self._set_memo(weakref.WeakValueDictionary(self._memo().tensors()))
         with self.mode:
             yield
