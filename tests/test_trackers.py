@@ -255,7 +255,7 @@ def test_bench_logging_times_the_loop_with_both_trackers_attached(tmp_path, monk
     assert row["status"] == "ok" and row["step_ms_median"] > 0
     (cell,) = (out / "work").glob("cell-*")
     steps = [r["step"] for r in jsonl(cell, "step")]
-    assert steps == [2, 4]
+    assert steps == [2, 4, 5]  # as multicard train with train.max_steps=5 writes them: every log_every, and the last
     state = json.loads((cell / TRACKERS_FILE).read_text())
     assert state["mlflow"]["step"] == state["wandb"]["step"] == steps[-1]
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the run's local store, read back
