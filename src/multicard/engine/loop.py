@@ -82,10 +82,6 @@ class Schedule:
     clip_grad_norm: float = 0.0
     epochs: int = 0  # run.epochs(n): its epochs end the run too (one left early by `break` is shorter); 0: none
 
-    def steps_in_epoch(self, epoch: int) -> int:
-        """Optimizer steps of `epoch` in this run (the last one may be cut by train.max_steps)."""
-        return max(0, min(self.steps_per_epoch, self.total_steps - epoch * self.steps_per_epoch))
-
     def last_step(self, position: Position) -> int:
         """Where the epoch in progress ends: its steps, or fewer if the run's steps end first."""
         left = self.total_steps - position.global_step
