@@ -87,13 +87,17 @@ class Logbook:
         self.epoch_steps, self.epoch_started = 0, time.perf_counter()
         self.trained_until = self.epoch_started
 
-    # A checkpoint part saved inside the position: a resumed epoch's record covers the whole epoch.
+    # A checkpoint part saved inside the position: a resumed epoch's record covers the whole epoch. Sums
+    # and calls are saved per process (every rank logs): the same at any world size, the means unchanged.
     def state_dict(self, whole: bool = False) -> dict[str, Any]:
         self.reduce()
-        return {"logged": {n: list(v) for n, v in self.epoch.items()}}
+        world = self.loop.strategy.ctx.world_size
+        return {"logged": {n: [v[0] / world, v[1] / world, *v[2:]] for n, v in self.epoch.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch = {n: [*v, *UNKNOWN][:4] for n, v in state.get("logged", {}).items()}
+        world = self.loop.strategy.ctx.world_size
+        logged = {n: [*v, *UNKNOWN][:4] for n, v in state.get("logged", {}).items()}
+        self.epoch = {n: [v[0] * world, v[1] * world, *v[2:]] for n, v in logged.items()}
 
     def reduce(self) -> None:
         """Add the values since the last reduction, summed over ranks (which may log different names),

@@ -17,6 +17,8 @@ first step over a parameter of a model the run set up, in one line.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,7 +113,7 @@ class OptimizerGuard:
         self._allowed: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._handle: Any = None
-        self.stepping = False  # inside run.step: its optimizer (and ZeRO-1's inner one) steps
+        self.stepping = False  # inside(): the run's own steps
 
     def watch(self, bare: nn.Module, before: list[torch.Tensor], given: tuple[Any, ...]) -> None:
         self.models += 1
@@ -123,6 +125,16 @@ class OptimizerGuard:
     def allow(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
             self._allowed.add(optimizer)
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """Steps the run takes itself: run.step's (ZeRO-1's inner optimizer too), and a checkpoint's save
+        or load (torch's state init steps an optimizer once: ZeRO-1's template of the whole state)."""
+        was, self.stepping = self.stepping, True
+        try:
+            yield
+        finally:
+            self.stepping = was  # inside() may nest: the checkpointer's hooks run inside run.step's
 
     def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stepping or optimizer in self._allowed:
@@ -143,3 +155,19 @@ class OptimizerGuard:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+class OwnSteps:
+    """A callback (the checkpointer) whose calls are the run's own steps to the guard (OptimizerGuard.inside)."""
+
+    def __init__(self, callback: Any, guard: OptimizerGuard) -> None:
+        self.callback, self.guard = callback, guard
+
+    def __getattr__(self, hook: str) -> Any:
+        method = getattr(self.callback, hook)
+
+        def call(*args: Any) -> Any:
+            with self.guard.inside():
+                return method(*args)
+
+        return call

@@ -43,7 +43,7 @@ from multicard.run.evaluation import MetricFn, Scores, evaluate_in
 from multicard.run.loading import Loader, data_layer_loader, dataset_loader
 from multicard.run.preparation import setup_model
 from multicard.run.settings import in_arguments, run_config
-from multicard.run.state import checked_component
+from multicard.run.state import UserState, checked_component
 from multicard.run.training import Training
 from multicard.run.weights import checkpoint_path, load_weights
 from multicard.runtime.environment import ProcessEnv, detect_env
@@ -53,6 +53,7 @@ from multicard.runtime.seeding import seed_process
 
 class Run:
     """One training run of a user's loop: see the module docstring and docs/library.md."""
+    state: UserState  # the user's own resumable values (run.state["best"] = ...), saved in every checkpoint
 
     def __init__(
         self, out_dir: str = "runs/default", *, global_batch_size: int, seed: int = 0, grad_accum: int = 1,
@@ -93,7 +94,7 @@ class Run:
         self._closed = False
         self.parts, self.training = assemble(plan, lambda parts: Training(parts, best, best_mode, callbacks,
                                                                           epoch_names))  # fmt: skip
-        self.state = self.training.state  # the user's own resumable values (run.state["best"] = ...)
+        self.state = self.training.state
         atexit.register(self.close)
 
     context = property(lambda self: self.parts.ctx, doc="rank, world size, device: the process (ProcessContext)")

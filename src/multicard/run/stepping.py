@@ -49,11 +49,8 @@ class Steps:
             raise UserError("run.step(...) without run.backward(loss) since the last step; call run.backward first")
         if (micro if micro is not None else done - 1) < self.loop.schedule.grad_accum - 1:
             return False  # a micro-step of the global batch: its gradients wait for the others
-        self.guard.stepping = True
-        try:
+        with self.guard.inside():
             self.loop.optimizer_step(stepper, clip, update=False)
-        finally:
-            self.guard.stepping = False
         self.seen[index] = self.backwards
         if not self.counted:
             self.loop.count_step()

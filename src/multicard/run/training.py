@@ -38,7 +38,7 @@ from multicard.engine.loop import Callback, Hooks, Loop, Position, StepEnd
 from multicard.engine.meters import EvalResult
 from multicard.run.ending import forget, on_error
 from multicard.run.logbook import Logbook
-from multicard.run.preparation import OptimizerGuard
+from multicard.run.preparation import OptimizerGuard, OwnSteps
 from multicard.run.state import Monitor, UserState
 from multicard.run.stepping import Steps
 
@@ -223,7 +223,7 @@ class Training:
         self.settle()
         if self.checkpointer is None:
             raise UserError("run.save(): this run writes no checkpoints")
-        return self.checkpointer.save(self.loop)
+        return OwnSteps(self.checkpointer, self.guard).save(self.loop)
 
     # ------------------------------------------------------------ the end
 
@@ -256,14 +256,16 @@ def start(training: Training) -> None:
     checkpointer, resumed = training.checkpointer, None
     resume_from = checkpointer.choose(length.train.resume) if checkpointer is not None else None
     if checkpointer is not None and resume_from is not None:
-        resumed = (resume_from, checkpointer.restore(resume_from, loop)["step"])
+        with training.guard.inside():
+            resumed = (resume_from, checkpointer.restore(resume_from, loop)["step"])
     parts.started = training.begun = True
     cfg = training.plan.cfg
     line = start_line(parts.strategy, cfg.precision, parts.split, describe(training))
     always = [note for note in (repeats_note(parts.split, cfg.data.repeats),) if note]  # this world size's layout
     parts.announce(line, loop, resumed, always, length.facts.config)
     logs = parts.logs(resumed[1] if resumed is not None else None, training.loader_kind)
-    loop.hooks = Hooks([*([checkpointer] if checkpointer is not None else []), *logs, *training.callbacks])
+    saves: list[Any] = [OwnSteps(checkpointer, training.guard)] if checkpointer is not None else []  # a Callback
+    loop.hooks = Hooks([*saves, *logs, *training.callbacks])
     loop.hooks.on_fit_start(loop)
 
 
