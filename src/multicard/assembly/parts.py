@@ -12,7 +12,6 @@ Assembly's exit stack, and closing it leaves the process group.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import ExitStack
 from functools import cached_property
 from pathlib import Path
@@ -136,17 +135,17 @@ class Assembly:
             )
         return self._checkpointer
 
-    def announce(
-        self, line: str, loop: Loop, resumed: tuple[Path | str, int] | None, always: Sequence[str],
-        config: dict[str, Any],
-    ) -> None:  # fmt: skip
+    def announce(self, loop: Loop, resumed: tuple[Path | str, int] | None, config: dict[str, Any], loader: str) -> None:
         """metrics.jsonl (continued after the step a resumed run restarts from) and config.yaml
         (`config`), written once the run has trained a step, then the run's start said
-        (process.announce_start)."""
+        (process.announce_start): a script, or a config's model and data (`loader`: its kind)."""
+        plan = self.plan
         text = OmegaConf.to_yaml(config)
         resumed_at = resumed[1] if resumed is not None else None
         self.reporter.run_files(self.out_dir / "metrics.jsonl", resumed_at, {self.out_dir / "config.yaml": text})
-        announce_start(self.reporter, line, loop, resumed, always)
+        what = (f"script={plan.script}" if plan.script is not None
+                else f"model={plan.cfg.model.name} data={plan.cfg.data.name} loader={loader}")  # fmt: skip
+        announce_start(self.reporter, self.strategy, plan.cfg, self.split, what, loop, resumed)
 
     def logs(self, resumed_at: int | None, loader: str) -> list[Callback]:
         """Every logging callback of a training run (console and metrics.jsonl, TensorBoard,

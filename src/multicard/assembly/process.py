@@ -4,12 +4,11 @@ device, the strategy, the stall watchdog, and the lines a training run starts wi
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 from multicard.base.config import Config, stall_seconds
-from multicard.data import BatchSplit
+from multicard.data import BatchSplit, repeats_note
 from multicard.engine.loop import Loop
 from multicard.observe.telemetry import Reporter
 from multicard.observe.watchdog import Watchdog
@@ -52,24 +51,19 @@ def watch_for_stalls(cfg: Config, ctx: ProcessContext, loop: Loop, stack: ExitSt
     return watchdog
 
 
-def start_line(strategy: Strategy, precision: str, split: BatchSplit, what: str) -> str:
-    """The line every training run starts with: how it runs, what it trains, how the batch splits."""
+def announce_start(reporter: Reporter, strategy: Strategy, cfg: Config, split: BatchSplit, what: str, loop: Loop,
+                   resumed: tuple[Path | str, int] | None) -> None:  # fmt: skip
+    """What every training run says as it starts (its records are opened first: parts.Assembly.announce):
+    how it runs, what it trains (`what`) and how the batch splits; this world size's layout of
+    data.repeats; where it resumed (`resumed` = (path, step)); that nothing is left to train."""
     ctx = strategy.ctx
-    return (
+    reporter.print(
         f"multicard: strategy={strategy.name} world_size={ctx.world_size} device={ctx.device.type} "
-        f"precision={precision} {what} global_batch={split.global_batch} "
+        f"precision={cfg.precision} {what} global_batch={split.global_batch} "
         f"(micro-batch {split.micro_batch} × {ctx.world_size} process(es) × {split.grad_accum} accum)"
     )
-
-
-def announce_start(
-    reporter: Reporter, line: str, loop: Loop, resumed: tuple[Path | str, int] | None, always: Sequence[str]
-) -> None:
-    """What every training run says as it starts (its records are opened first: parts.Assembly.announce):
-    its start line, the notes about this run's layout (`always`), where it resumed (`resumed` =
-    (path, step)), and that nothing is left to train when it is complete."""
-    reporter.print(line)
-    for note in always:
+    note = repeats_note(split, cfg.data.repeats)
+    if note:
         reporter.print(note)
     if resumed is not None:
         restart = detect_env().restart

@@ -30,10 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from multicard.assembly.plan import DataFacts, RunLength
-from multicard.assembly.process import start_line
 from multicard.base.errors import MulticardError, Stopped, UserError
 from multicard.checkpoint import Checkpointer
-from multicard.data import repeats_note
 from multicard.engine.loop import Callback, Hooks, Loop, Position, StepEnd
 from multicard.engine.meters import EvalResult
 from multicard.run.ending import forget, on_error
@@ -259,22 +257,11 @@ def start(training: Training) -> None:
         with training.guard.inside():
             resumed = (resume_from, checkpointer.restore(resume_from, loop)["step"])
     parts.started = training.begun = True
-    cfg = training.plan.cfg
-    line = start_line(parts.strategy, cfg.precision, parts.split, describe(training))
-    always = [note for note in (repeats_note(parts.split, cfg.data.repeats),) if note]  # this world size's layout
-    parts.announce(line, loop, resumed, always, length.facts.config)
+    parts.announce(loop, resumed, length.facts.config, training.loader_kind)
     logs = parts.logs(resumed[1] if resumed is not None else None, training.loader_kind)
     saves: list[Any] = [OwnSteps(checkpointer, training.guard)] if checkpointer is not None else []  # a Callback
     loop.hooks = Hooks([*saves, *logs, *training.callbacks])
     loop.hooks.on_fit_start(loop)
-
-
-def describe(training: Training) -> str:
-    """What the start line says the run trains: a script, or a config's model and data."""
-    plan = training.plan
-    if plan.script is not None:
-        return f"script={plan.script}"
-    return f"model={plan.cfg.model.name} data={plan.cfg.data.name} loader={training.loader_kind}"
 
 
 def require_training(what: str, set_up: bool, begun: bool) -> None:
