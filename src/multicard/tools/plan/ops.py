@@ -115,8 +115,10 @@ def _groups(packet: Any, args: tuple) -> int:
 
 @dataclass
 class OpSeries:
-    """Per-op records of one traced step (numpy arrays of equal length)."""
+    """Per-op records of one traced step (lists and numpy arrays of equal length)."""
 
+    phase: list[str]
+    names: list[str]
     live: np.ndarray
     live_cuda: np.ndarray
     saved: np.ndarray
@@ -126,9 +128,6 @@ class OpSeries:
     fresh: np.ndarray  # bytes of `moved` written into storages this op allocated
     elements: np.ndarray  # values a transcendental elementwise op evaluates (0 for other ops)
     kind: np.ndarray  # OTHER / MATMUL / CONV / GROUPED_CONV / GROUPED_CONV_BACKWARD / NORM
-    dtype_bytes: np.ndarray  # element size of the compute op's input (0 for OTHER)
-    phase: list[str]
-    names: list[str]
 
 
 class OpRecorder(TorchDispatchMode):
@@ -248,33 +247,19 @@ class OpRecorder(TorchDispatchMode):
             in_place = func._schema.name.endswith("_") or not outputs
             moved = read + (max(written, read) if in_place else written)
             fresh = written if created and not in_place else 0
-        kind, size = (NORM if packet.__name__ in _NORMS else OTHER), 0
+        kind = NORM if packet.__name__ in _NORMS else OTHER
         if flops:
             kind = _compute_kind(packet, args)
-            size = inputs[0].element_size() if inputs else 4
         elements = sum(t.numel() for t in outputs) if packet.__name__.rstrip("_") in _TRANSCENDENTAL else 0
-        self._rows.append((self.live, self.live_cuda, self.saved_live, self.grads, flops, moved, fresh, kind, size,
-                           elements))  # fmt: skip
+        # in OpSeries's order of fields (after phase and names)
+        self._rows.append((self.live, self.live_cuda, self.saved_live, self.grads, flops, moved, fresh, elements, kind))
         self._phases.append(self._phase())
         self._names.append(packet.__name__)
         return out
 
     def series(self) -> OpSeries:
-        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 10)
-        return OpSeries(
-            live=rows[:, 0],
-            live_cuda=rows[:, 1],
-            saved=rows[:, 2],
-            grads=rows[:, 3],
-            flops=rows[:, 4],
-            moved=rows[:, 5],
-            fresh=rows[:, 6],
-            elements=rows[:, 9],
-            kind=rows[:, 7],
-            dtype_bytes=rows[:, 8],
-            phase=list(self._phases),
-            names=list(self._names),
-        )
+        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 9)
+        return OpSeries(list(self._phases), list(self._names), *rows.T)
 
 
 def _is_fused_update(func: Any) -> bool:

@@ -59,7 +59,6 @@ class StepModel:
         self.phase = np.array(a.phase)
         self.forward_backward = np.isin(self.phase, FORWARD_BACKWARD)
         self.kind = a.kind
-        self.dtype_bytes = a.dtype_bytes
 
     @property
     def ops(self) -> int:
