@@ -179,16 +179,11 @@ class OpRecorder(TorchDispatchMode):
             self.grads += new - old
 
     def _forget(self, key: int) -> None:
-        size = self._bytes.pop(key, 0)
+        self._resize(key, self._bytes.get(key, 0), 0)
+        del self._bytes[key]
         self._refs.pop(key, None)
-        self.live -= size
-        self.live_cuda -= _rounded(size)
-        if key in self._saved:
-            self._saved.discard(key)
-            self.saved_live -= size
-        if key in self._grads:
-            self._grads.discard(key)
-            self.grads -= size
+        self._saved.discard(key)
+        self._grads.discard(key)
 
     def mark_saved(self, tensor: torch.Tensor) -> None:
         """`tensor` is kept by autograd for backward: its storage counts as activation memory."""
