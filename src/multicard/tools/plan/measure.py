@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +40,16 @@ class Measured:
     reason: str = ""
     peak_bytes: float = 0.0  # the largest rank's peak of live tensor bytes (CUDA: max_memory_allocated)
     step_s: float = 0.0  # median over ranks of each rank's median step time
-    split_ms: dict[str, float] = field(default_factory=dict)  # rank 0's phase split (median per phase)
     step_min_s: float = 0.0  # the fastest step (the largest rank's), least disturbed by other work
+    split_ms: dict[str, float] = field(default_factory=dict)  # rank 0's phase split (median per phase)
     split_min_ms: dict[str, float] = field(default_factory=dict)  # rank 0's fastest step's split
     rss_peak_bytes: float = 0.0  # the largest rank's peak resident memory
     threads: int = 0
     allreduce_ms: dict[int, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "reason": self.reason,
-            "peak_bytes": self.peak_bytes,
-            "step_s": self.step_s,
-            "step_min_s": self.step_min_s,
-            "split_ms": self.split_ms,
-            "split_min_ms": self.split_min_ms,
-            "rss_peak_bytes": self.rss_peak_bytes,
-            "threads": self.threads,
-        }
+        """Its fields but the all-reduce times (calibrate's, not a row's of the plan)."""
+        return {key: value for key, value in asdict(self).items() if key != "allreduce_ms"}
 
 
 def run_steps(cfg: Config, processes: int, steps: int, workdir: Path | None = None,
