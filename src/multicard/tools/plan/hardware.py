@@ -1,6 +1,6 @@
 """GPUs multicard plans for: memory, memory bandwidth and dense peak rates, from the vendors'
 datasheets, kept in gpus.yaml with their sources — the one place these facts live
-(scripts/gpu_check/throughput.py reads PEAK_BF16 from here).
+(scripts/gpu_check/throughput.py reads peak_bf16 from here).
 
 Rates are dense (no structured sparsity) peaks in FLOP/s; datasheets print the sparse figure,
 twice the dense one, beside it for tensor-core formats. `tf32` is the tensor-core rate that
@@ -110,11 +110,6 @@ def gpu_for_device(device_name: str) -> Gpu | None:
         if re.search(gpu.device_pattern, device_name):
             return gpu
     return None
-
-
-# (pattern, dense bf16 FLOP/s) for scripts/gpu_check/throughput.py, which matches device names
-# in order; each GPU's own pattern says which variant (SXM, PCIe, NVL) it is.
-PEAK_BF16: list[tuple[str, float]] = [(g.device_pattern, g.bf16) for g in GPUS if g.bf16 is not None]
 
 
 def peak_bf16(device_name: str) -> float | None:
