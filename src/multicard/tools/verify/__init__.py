@@ -100,12 +100,9 @@ def _run(cfg: Config, nproc: int, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _states(cfg: Config) -> dict[str, Any]:
-    return torch.load(Path(cfg.out_dir) / "states.pt", weights_only=True)
-
-
-def _params(cfg: Config) -> dict[str, torch.Tensor]:
-    return torch.load(Path(cfg.out_dir) / "params.pt", weights_only=True)
+def _saved(cfg: Config, name: str) -> dict[str, Any]:
+    """What the run of `cfg` saved at its spec's `name`, "params" or "states" (see _run)."""
+    return torch.load(Path(cfg.out_dir) / f"{name}.pt", weights_only=True)
 
 
 def _variant(cfg: Config) -> str:
@@ -258,7 +255,7 @@ def _run_all(options: VerifyOptions, runs: Runs, dropout: bool) -> tuple[dict[st
 def _parity(runs: Runs, steps: int) -> Outcome:
     """The job's parameters against one process's; past PARAM_RTOL, against the floor one process
     makes with itself at another thread count (the one-process run again)."""
-    multi, single = _params(runs.job), _params(runs.single)
+    multi, single = _saved(runs.job, "params"), _saved(runs.single, "params")
     outcome = compare_parameters(multi, single, runs.label, steps)
     if not outcome.failed:
         return outcome
@@ -266,7 +263,7 @@ def _parity(runs: Runs, steps: int) -> Outcome:
     other = with_overrides(runs.single, [f"threads={1 if threads > 1 else 2}",
                                          f"out_dir={Path(runs.single.out_dir).parent / 'floor'}"])  # fmt: skip
     _run(other, 1, {"train": "reference", "reference": None, "resume": None, "steps": steps, "faults": []})
-    floor, _ = max_relative_difference(_params(other), single)
+    floor, _ = max_relative_difference(_saved(other, "params"), single)
     return compare_parameters(multi, single, runs.label, steps, floor)
 
 
@@ -278,13 +275,13 @@ def _resume_outcomes(runs: Runs, steps: int, cut: dict[str, int] | None, dropout
         return [Outcome("resume inside an epoch", "skip", why)]
     stopped = f"{runs.label} stopped at step {cut['step']} (step {cut['step_in_epoch']} of epoch {cut['epoch']})"
     end = f"after step {steps}"
-    job, same = _states(runs.job), _states(runs.resumed)
+    job, same = _saved(runs.job, "states"), _saved(runs.resumed, "states")
     points = [("after resuming", same["resumed"], job["cut"]), (end, same["resumed_end"], job["end"])]
     outcomes = [compare_resumed(f"{stopped}, resumed as {runs.label}: continues bitwise", points, 0.0)]
     name = f"{stopped}, resumed as 1 process: continues (float64)"
     if dropout:
         return [*outcomes, Outcome(name, "skip", DROPOUT)]
-    one = _states(runs.single)
+    one = _saved(runs.single, "states")
 
     def rank0(state: dict[str, Any]) -> dict[str, Any]:  # one process continues rank 0's random streams
         return {**state, "rng": state["rng"][:1]}
