@@ -24,6 +24,7 @@ interrupted upload, leaving the shards that are there whole.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -160,20 +161,13 @@ def cannot_write(path: Path, exc: OSError) -> UserError:
     return UserError(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {RERUN}")
 
 
-def pack_shard(partial: Path, out: Path, name: str, pieces: list[tuple[str, int, int]]) -> dict[str, Any]:
-    """Shard `name` of runs of the chunks' samples (part file, start, length): its entry of the index."""
+def pack_shard(partial: Path, out: Path, shard: tuple[str, list[tuple[str, int, int]]]) -> dict[str, Any]:
+    """Shard (its name, runs of the chunks' samples: part file, start, length): its entry of the index."""
+    name, pieces = shard
     try:
         return shard_format.write_shard(out, name, [(partial / part, start, length) for part, start, length in pieces])
     except OSError as exc:
         raise cannot_write(out / name, exc) from None
-
-
-def _pack_shard(args: tuple) -> dict[str, Any]:
-    return pack_shard(*args)
-
-
-def _pack_chunk(args: tuple) -> int:
-    return pack_chunk(*args)
 
 
 # ---------------------------------------------------------------- the command
@@ -360,7 +354,7 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
         with pool, progress.Progress(*columns, console=console, transient=True) as bar:  # leaving ends the processes
             done = sum(c.stop - c.start for c in chunks if c not in todo)
             reading = bar.add_task("reading samples", total=sum(plan["sizes"].values()), completed=done)
-            for n in pool.imap_unordered(_pack_chunk, [(partial, c) for c in todo]):
+            for n in pool.imap_unordered(functools.partial(pack_chunk, partial), todo):
                 bar.advance(reading, n)
             records = {c.name: json.loads(_records_path(partial, c).read_text()) for c in chunks}
             shards, index_columns = _shard_pieces(chunks, records, plan["shard_bytes"])
@@ -369,7 +363,7 @@ def _pack_in_processes(splits: Splits, out: Path, chunks: list[Chunk], todo: lis
                 cols["samples_sha256"] = samples_digest(stored, plan["sizes"][split])
             writing = bar.add_task("writing shards", total=len(shards))
             written = {}
-            for entry in pool.imap_unordered(_pack_shard, [(partial, out, n, p) for n, p in shards]):
+            for entry in pool.imap_unordered(functools.partial(pack_shard, partial, out), shards):
                 written[entry["name"]] = entry
                 bar.advance(writing)
     finally:
