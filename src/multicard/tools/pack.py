@@ -60,9 +60,6 @@ RECORDS = ("length", "label", "width", "height", *shard_format.HEADER)
 RERUN = "free space or choose another --out, then run the same command: it continues from the chunks already packed"
 
 
-# ---------------------------------------------------------------- what one sample becomes
-
-
 # ---------------------------------------------------------------- the plan: chunks of each split
 
 
