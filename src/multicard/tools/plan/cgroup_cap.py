@@ -59,13 +59,10 @@ class MemoryCap:
 
         return subprocess.run(argv, preexec_fn=join, timeout=timeout, capture_output=True, text=True, **popen)
 
-    def stat(self, name: str) -> int:
-        return int((self.path / name).read_text().split()[0])
-
     @property
     def max_usage(self) -> int:
         """Peak bytes charged to the cgroup (resident memory and page cache of its processes)."""
-        return self.stat("memory.max_usage_in_bytes")
+        return int((self.path / "memory.max_usage_in_bytes").read_text().split()[0])
 
     @property
     def oom_kills(self) -> int:
