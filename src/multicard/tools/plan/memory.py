@@ -31,7 +31,7 @@ gradients from its start (FSDP: unsharded, as no_sync keeps them).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,7 +68,6 @@ class Memory:
     op: str
     phase: str
     first_gpu_extra: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> float:

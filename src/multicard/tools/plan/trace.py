@@ -107,7 +107,6 @@ class Unit:
 
     name: str
     param_bytes: int
-    params: int  # number of elements
     fwd: tuple[int, int] = (-1, -1)  # first and last op index of its forward
     bwd: tuple[int, int] = (-1, -1)  # op index when its backward starts, and when its last gradient arrives
 
@@ -119,7 +118,6 @@ class ParamInfo:
     nbytes: int
     group: int  # optimizer parameter group
     state_bytes: int = 0  # optimizer state after the first step
-    unit: int = -1
 
 
 @dataclass
@@ -153,10 +151,7 @@ class UnitWatch:
             own = [p for p in module.parameters() if id(p) not in self.owner]
             for p in own:
                 self.owner[id(p)] = index
-            self.units.append(
-                Unit(names[id(module)] or "(root)", sum(p.numel() * p.element_size() for p in own),
-                     sum(p.numel() for p in own))
-            )  # fmt: skip
+            self.units.append(Unit(names[id(module)] or "(root)", sum(p.numel() * p.element_size() for p in own)))
             module.register_forward_pre_hook(self._forward_start(index))
             module.register_forward_hook(self._forward_end(index))
             self._pending[index] = len(own)
@@ -234,8 +229,7 @@ def _traced(cfg: Config, recipe: Any, optim: Any, units: list[nn.Module], world:
         _run_one_step(recipe, recorder, cfg.model.name)
         for p in bare.parameters():
             state = optimizer.state.get(p)
-            info = by_id[id(p)]
-            info.state_bytes, info.unit = _state_bytes(state) if state else 0, watch.owner.get(id(p), -1)
+            by_id[id(p)].state_bytes = _state_bytes(state) if state else 0
         temps = {"loop": _unfused_temps(optim, bare, foreach=False), "foreach": _unfused_temps(optim, bare, True)}
         if cfg.optim.fused and fused_on_shards(cfg.optim.name):
             temps = {"loop": 0, "foreach": 0}  # fsdp runs the fused kernel on its shards too: no temporaries
