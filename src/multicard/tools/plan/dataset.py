@@ -43,14 +43,10 @@ def data_facts(d: DataConfig, seed: int) -> DataFacts:
                      f"planned with data.num_classes={d.num_classes} and no device-resident images")  # fmt: skip
 
 
-def loader_kind(d: DataConfig, facts: DataFacts, device_bytes: float) -> str:
-    """data.loader=auto's choice (the data layer's own rule) for a device of `device_bytes`."""
-    return loader_for(d, facts.decoded_bytes(d.image_size), device_bytes)
-
-
 def resident_bytes(d: DataConfig, facts: DataFacts, device_bytes: float, cuda: bool) -> tuple[int, str]:
-    """(bytes of decoded images one process keeps on its device, the loader kind)."""
-    kind = loader_kind(d, facts, device_bytes)
+    """(bytes of decoded images one process keeps on its device, the loader kind: data.loader=auto's
+    choice, the data layer's own rule, for a device of `device_bytes`)."""
+    kind = loader_for(d, facts.decoded_bytes(d.image_size), device_bytes)
     if kind == "device" or (not cuda and facts.held_in_memory):
         return facts.decoded_bytes(d.image_size), kind
     return 0, kind
