@@ -30,7 +30,6 @@ gradients from its start (FSDP: unsharded, as no_sync keeps them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -264,10 +263,6 @@ def largest_batch(model: StepModel, layout: Layout, budget: float, fixed: float,
             t = t + dp_first_gpu_extra(model, layout, n)
         return t + fixed
 
-    return _largest(total, budget, step)
-
-
-def _largest(total: Callable[[float], np.ndarray], budget: float, step: int) -> int:
     c = total(0.0)
     s = total(1.0) - c
     if np.any(c > budget):
