@@ -26,7 +26,7 @@ where possible, what a training process needs besides tensors (its peak charge â
 
 from __future__ import annotations
 
-import time
+import timeit
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import datetime, timezone
@@ -71,12 +71,7 @@ DEPTHWISE = [(96, 56, 3, 1), (240, 28, 5, 1), (672, 14, 5, 1), (1152, 7, 3, 1)]
 
 def _best_seconds(fn: Any, repeats: int) -> float:
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def microbenchmarks(threads: int) -> dict[str, float]:
