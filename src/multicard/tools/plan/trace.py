@@ -16,6 +16,7 @@ the optimizer's temporaries when it runs unfused on shards (FSDP has a fused ker
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -152,35 +153,26 @@ class UnitWatch:
             for p in own:
                 self.owner[id(p)] = index
             self.units.append(Unit(names[id(module)] or "(root)", sum(p.numel() * p.element_size() for p in own)))
-            module.register_forward_pre_hook(self._forward_start(index))
-            module.register_forward_hook(self._forward_end(index))
+            module.register_forward_pre_hook(functools.partial(self._forward_start, index))
+            module.register_forward_hook(functools.partial(self._forward_end, index))
             self._pending[index] = len(own)
 
-    def _forward_start(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            unit = self.units[index]
-            unit.fwd = (self.recorder.ops, unit.fwd[1])
+    def _forward_start(self, index: int, module: nn.Module, args: Any) -> None:
+        unit = self.units[index]
+        unit.fwd = (self.recorder.ops, unit.fwd[1])
 
-        return hook
+    def _forward_end(self, index: int, module: nn.Module, args: Any, out: Any) -> None:
+        unit = self.units[index]
+        unit.fwd = (unit.fwd[0], self.recorder.ops - 1)
+        tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._backward_start, index))
 
-    def _forward_end(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            unit = self.units[index]
-            unit.fwd = (unit.fwd[0], self.recorder.ops - 1)
-            tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
-            for t in tensors:
-                if t.requires_grad:
-                    t.register_hook(self._backward_start(index))
-
-        return hook
-
-    def _backward_start(self, index: int) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            unit = self.units[index]
-            if unit.bwd[0] < 0:
-                unit.bwd = (self.recorder.ops, unit.bwd[1])
-
-        return hook
+    def _backward_start(self, index: int, grad: torch.Tensor) -> None:
+        unit = self.units[index]
+        if unit.bwd[0] < 0:
+            unit.bwd = (self.recorder.ops, unit.bwd[1])
 
     def grad_arrived(self, param: torch.Tensor) -> None:
         index = self.owner.get(id(param))
