@@ -175,6 +175,10 @@ class UnitWatch:
             unit.bwd = (self.recorder.ops, unit.bwd[1])
 
     def grad_arrived(self, param: torch.Tensor) -> None:
+        """A parameter's gradient is accumulated: it counts as gradient memory from now, and the last
+        of its unit's ends the unit's backward."""
+        assert param.grad is not None
+        self.recorder.mark_grad(param.grad)
         index = self.owner.get(id(param))
         if index is None:
             return
@@ -214,7 +218,7 @@ def _traced(cfg: Config, recipe: Any, optim: Any, units: list[nn.Module], world:
     watch = UnitWatch(recorder, bare, units, names)
     by_id = {id(p): info for p, info in zip(bare.parameters(), params, strict=True)}
     for p in (p for p in bare.parameters() if p.requires_grad):
-        p.register_post_accumulate_grad_hook(_on_grad(recorder, watch))
+        p.register_post_accumulate_grad_hook(watch.grad_arrived)
     with world.stepping():
         for t in [*bare.parameters(), *bare.buffers()]:
             recorder.track(t, persistent=True)
@@ -254,15 +258,6 @@ def _run_one_step(recipe: Any, recorder: OpRecorder, model_name: str) -> None:
             f"model.name={model_name}: multicard plan cannot trace its training step on fake tensors "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
-
-
-def _on_grad(recorder: OpRecorder, watch: UnitWatch) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        assert param.grad is not None
-        recorder.mark_grad(param.grad)
-        watch.grad_arrived(param)
-
-    return hook
 
 
 def _unfused_temps(recipe: Any, bare: nn.Module, foreach: bool) -> int:
