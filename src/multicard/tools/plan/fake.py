@@ -73,15 +73,12 @@ class FakeWorld:
     """One FakeTensorMode for one plan trace: `building()` to make and place the model, then
     `stepping()` to run it."""
 
+    _converter: Any  # the mode's meta converter: its tensor_memo is the memo (one of ours, so untyped here)
+
     def __init__(self) -> None:
         self.mode = FakeTensorMode()
-        self._set_memo(BuildingMemo(self._memo()))
-
-    def _memo(self) -> Any:
-        return self.mode.fake_tensor_converter.meta_converter.tensor_memo
-
-    def _set_memo(self, memo: Any) -> None:
-        self.mode.fake_tensor_converter.meta_converter.tensor_memo = memo
+        self._converter = self.mode.fake_tensor_converter.meta_converter
+        self._converter.tensor_memo = BuildingMemo(self._converter.tensor_memo)
 
     @contextmanager
     def building(self) -> Iterator[None]:
@@ -90,6 +87,6 @@ class FakeWorld:
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
-        self._set_memo(weakref.WeakValueDictionary(self._memo().tensors()))
+        self._converter.tensor_memo = weakref.WeakValueDictionary(self._converter.tensor_memo.tensors())
         with self.mode:
             yield
