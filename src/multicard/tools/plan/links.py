@@ -50,12 +50,8 @@ LINKS: tuple[Link, ...] = (
 DEFAULT_BETWEEN_NODES = "ib-ndr"
 
 
-def _key(name: str) -> str:
-    return name.lower().replace("_", "-").replace(" ", "")
-
-
 def find_link(name: str) -> Link:
-    key = _key(name)
+    key = name.lower().replace("_", "-").replace(" ", "")
     for link in LINKS:
         if key in {link.name, *link.aliases}:
             return link
