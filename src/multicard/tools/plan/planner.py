@@ -8,6 +8,7 @@ end is one `multicard train` accepts.
 
 from __future__ import annotations
 
+import functools
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,17 +69,15 @@ class Plan:
 
 
 def _layout(c: Candidate, target: Target, cfg: Config, accum: int) -> Layout:
-    cuda = target.cuda
+    layout = functools.partial(Layout, accum=accum, precision=cfg.precision, cuda=target.cuda)
     if c.kind == "dp":
-        return Layout("dp", replicas=target.gpus, accum=accum, precision=cfg.precision, cuda=cuda)
+        return layout("dp", replicas=target.gpus)
     if c.kind == "single":
-        return Layout("single", accum=accum, precision=cfg.precision, cuda=cuda)
+        return layout("single")
     if c.kind in ("ddp", "zero1"):
-        return Layout(c.kind, shard=target.devices, bucket_view=cfg.ddp.gradient_as_bucket_view, accum=accum,
-                      precision=cfg.precision, cuda=cuda)  # fmt: skip
+        return layout(c.kind, shard=target.devices, bucket_view=cfg.ddp.gradient_as_bucket_view)
     shard = target.gpus if c.replicate_nodes else target.devices
-    return Layout("fsdp", shard=shard, reshard_after_forward=c.reshard_after_forward, accum=accum,
-                  precision=cfg.precision, cuda=cuda)  # fmt: skip
+    return layout("fsdp", shard=shard, reshard_after_forward=c.reshard_after_forward)
 
 
 def _applicable(c: Candidate, target: Target) -> str:
