@@ -8,7 +8,7 @@ beside each other behind the same small interface (see single_file.py).
 from multicard.checkpoint.checkpointer import Checkpointer, check_resume_settings, edit_resume_state, read_checkpoint
 from multicard.checkpoint.compat import FORMAT_VERSION, RunFacts, check_classes, check_model_fits
 from multicard.checkpoint.folder import checkpoint_store, checkpoints_in, format_of
-from multicard.checkpoint.single_file import load_file
+from multicard.checkpoint.single_file import load_file, snapshot
 from multicard.checkpoint.weights import load_weights
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "load_file",
     "load_weights",
     "read_checkpoint",
+    "snapshot",
 ]

@@ -31,7 +31,7 @@ import torch
 
 from multicard.base.config import Config, config_from_dict, with_overrides
 from multicard.base.errors import MulticardError
-from multicard.checkpoint import edit_resume_state
+from multicard.checkpoint import edit_resume_state, snapshot
 from multicard.recipes import ImageClassifier
 from multicard.run import Callback, Loop, Run, StepEnd
 from multicard.runtime.environment import detect_env
@@ -72,20 +72,10 @@ def _global_batch(recipe: ImageClassifier, epoch: int, step: int, walk: bool) ->
     return sorted(i for rank in recipe.run.gather(mine) for i in rank)
 
 
-def _cpu(tree: Any) -> Any:
-    """A copy of a state on the CPU: training goes on changing the live tensors."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu(v) for v in tree)
-    return tree
-
-
 def _state(loop: Loop, next_batch: list[int] | None = None) -> dict[str, Any]:
-    """The run's whole state (model and optimizer gathered on rank 0); every rank calls it."""
-    state = _cpu(loop.state_dict(whole=True))
+    """The run's whole state (model and optimizer gathered on rank 0), copied to the CPU (training goes
+    on changing the live tensors); every rank calls it."""
+    state = snapshot(loop.state_dict(whole=True))
     return state if next_batch is None else {**state, "next_batch": next_batch}
 
 
