@@ -3,6 +3,7 @@ procedure), stored as JSON in the cache folder and used when planning for this m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 from dataclasses import asdict, dataclass, field
@@ -24,13 +25,11 @@ def calibration_path() -> Path:
 
 def machine_id() -> str:
     model = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    except OSError:
-        pass
     return f"{model}, {cpu_cores()} cores, torch {torch.__version__}"
 
 

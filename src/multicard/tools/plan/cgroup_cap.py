@@ -8,6 +8,7 @@ it is killed first. Needs root and a cgroup v1 memory hierarchy at /sys/fs/cgrou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -86,10 +87,8 @@ def remove(path: Path, timeout: float = 10.0) -> None:
         except OSError:
             pids = []
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         try:
             path.rmdir()
             return
