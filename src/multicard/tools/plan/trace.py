@@ -75,9 +75,8 @@ def trace_settings(cfg: Config, batch: int, out_dir: str) -> Config:
 class FakeBatches:
     """A training loader of fake micro-batches: float images as the loaders hand them over."""
 
-    def __init__(self, batch: int, image_size: int, num_classes: int) -> None:
+    def __init__(self, batch: int, image_size: int) -> None:
         self.shape = (batch, 3, image_size, image_size)
-        self.num_classes = num_classes
 
     @property
     def num_samples(self) -> int:
@@ -85,11 +84,6 @@ class FakeBatches:
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         pass
-
-    def as_data(self) -> Data:
-        """The traced run's data: these batches (validation is not traced)."""
-        classes = [str(i) for i in range(self.num_classes)]
-        return Data(self, self, self.num_classes, classes, "device")
 
     def __len__(self) -> int:
         return NEVER
@@ -199,7 +193,8 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     with tempfile.TemporaryDirectory(prefix="multicard-trace-") as tmp:
         settings = trace_settings(cfg, batch, tmp)
         with world.building():
-            fake = FakeBatches(batch, cfg.data.image_size, num_classes).as_data()
+            batches = FakeBatches(batch, cfg.data.image_size)  # validation is not traced
+            fake = Data(batches, batches, num_classes, [str(i) for i in range(num_classes)], "device")
             recipe = ImageClassifier(settings, callbacks=[done], evaluate=False, records=False, checkpoints=False,
                                      data=fake)  # fmt: skip
             units = choose_units(recipe.bare, cfg.fsdp, cfg.model.name)
