@@ -211,16 +211,15 @@ def _traced(cfg: Config, recipe: Any, optim: Any, units: list[nn.Module], world:
               for n, p in bare.named_parameters()]  # fmt: skip
     recorder = OpRecorder(lambda: done.phase)
     watch = UnitWatch(recorder, bare, units, names)
-    by_id = {id(p): info for p, info in zip(bare.parameters(), params, strict=True)}
     for p in (p for p in bare.parameters() if p.requires_grad):
         p.register_post_accumulate_grad_hook(watch.grad_arrived)
     with world.stepping():
         for t in [*bare.parameters(), *bare.buffers()]:
             recorder.track(t, persistent=True)
         _run_one_step(recipe, recorder, cfg.model.name)
-        for p in bare.parameters():
+        for p, info in zip(bare.parameters(), params, strict=True):
             state = optimizer.state.get(p)
-            by_id[id(p)].state_bytes = _state_bytes(state) if state else 0
+            info.state_bytes = _state_bytes(state) if state else 0
         temps = {"loop": _unfused_temps(optim, bare, foreach=False), "foreach": _unfused_temps(optim, bare, True)}
         if cfg.optim.fused and fused_on_shards(cfg.optim.name):
             temps = {"loop": 0, "foreach": 0}  # fsdp runs the fused kernel on its shards too: no temporaries
