@@ -184,30 +184,25 @@ def describe(d: DataConfig) -> str:
 
 def _prepare_out(out: Path, plan: dict[str, Any], say: Callable[[str], None]) -> str:
     """'fresh', 'continuing', 'done' or 'starting over': what the folder holds, made ready for this plan."""
-    partial = out / shard_format.PARTIAL
-    if (out / shard_format.INDEX).is_file():
-        try:
-            same = same_plan(json.loads((out / shard_format.INDEX).read_text()), plan)
-        except (OSError, ValueError, AttributeError):
-            same = False
-        if same:
-            return "done"
-        say(f"multicard pack: starting over in {out}: its pack was made from another source or with other options")
-        (out / shard_format.INDEX).unlink()  # first: from here on the folder no longer looks complete
-        _clear(out)
-        return "starting over"
-    if partial.is_dir():
-        try:
-            same = json.loads((partial / "plan.json").read_text()) == plan
-        except (OSError, ValueError):
-            same = False
-        if same:
-            return "continuing"
-        say(f"multicard pack: starting over in {out}: its unfinished pack was of another source or other options")
-        _clear(out)
-        return "starting over"
-    check_out(out)
-    return "fresh"
+    index, partial = out / shard_format.INDEX, out / shard_format.PARTIAL
+    if not (index.is_file() or partial.is_dir()):
+        check_out(out)
+        return "fresh"
+    finished = index.is_file()  # a pack, its plan in its index; else an unfinished one, its plan in plan.json
+    try:
+        stored = json.loads((index if finished else partial / "plan.json").read_text())
+        same = same_plan(stored, plan) if finished else stored == plan
+    except (OSError, ValueError, AttributeError):
+        same = False
+    if same:
+        return "done" if finished else "continuing"
+    was = ("its pack was made from another source or with other options" if finished
+           else "its unfinished pack was of another source or other options")  # fmt: skip
+    say(f"multicard pack: starting over in {out}: {was}")
+    if finished:
+        index.unlink()  # first: from here on the folder no longer looks complete
+    _clear(out)
+    return "starting over"
 
 
 def check_out(out: Path) -> None:
