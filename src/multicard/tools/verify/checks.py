@@ -56,8 +56,7 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     for name, ref in b.items():
         if not ref.is_floating_point():
             continue
-        scale = ref.abs().max().item() or 1.0
-        diff = (a[name].double() - ref.double()).abs().max().item() / scale
+        diff = _difference(a[name], ref)
         if diff > worst or not where:
             worst, where = diff, name
     return worst, where
