@@ -215,9 +215,7 @@ def check_out(out: Path) -> None:
 
 def _clear(out: Path) -> None:
     shutil.rmtree(out / shard_format.PARTIAL, ignore_errors=True)
-    for path in out.glob("*.tar"):
-        path.unlink()
-    for path in out.glob(".*.tmp"):
+    for path in [*out.glob("*.tar"), *out.glob(".*.tmp")]:
         path.unlink()
 
 
