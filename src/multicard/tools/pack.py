@@ -482,13 +482,12 @@ def staging_folder(url: str) -> Path:
     return Path(tempfile.gettempdir()) / f"multicard-pack-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
 
 
-def pack_into(d: DataConfig, splits: Splits, store: Store, shard_mb: float, workers: int,
-              progress_console: Console | None = None) -> str:  # fmt: skip
+def pack_into(d: DataConfig, splits: Splits, store: Store, shard_mb: float, workers: int) -> str:
     """Pack into the store's folder: made there, or in a staging folder and published (shard_format.upload_pack:
     the shards, then the index last), the staging folder removed once the index is up. The one-line summary."""
     from rich.console import Console
 
-    console = progress_console or Console(stderr=True)
+    console = Console(stderr=True)
     plan = pack_plan(d, splits, shard_mb)
     n = sum(plan["sizes"].values())
     if same_plan(shard_format.stored_index(store), plan):
