@@ -98,10 +98,6 @@ def _processes(c: Candidate, target: Target) -> tuple[int, int]:
     return target.devices, target.gpus
 
 
-def _accums(global_batch: int, world: int) -> list[int]:
-    return [k for k in range(1, global_batch + 1) if global_batch % (world * k) == 0]
-
-
 def _time(model: StepModel, c: Candidate, target: Target, cfg: Config, n: int, accum: int) -> StepTime:
     world, per_node = _processes(c, target)
     rates = target.rates(cfg.precision, per_node)
@@ -144,9 +140,9 @@ def plan_row(model: StepModel, c: Candidate, target: Target, cfg: Config, facts:
     row.memory = peak(model, _layout(c, target, cfg, cfg.train.grad_accum), plan.micro_batch, fixed)
     step = c.gpus_per_process(target.gpus)  # dp splits each micro-batch evenly over its GPUs
     row.max_micro_batch = largest_batch(model, _layout(c, target, cfg, 1), row.budget, loader + runtime, step)
-    for k in _accums(cfg.train.global_batch_size, world):
-        n = cfg.train.global_batch_size // (world * k)
-        if n % step:
+    for k in range(1, cfg.train.global_batch_size + 1):  # each accumulation that splits the global batch
+        n, rest = divmod(cfg.train.global_batch_size, world * k)
+        if rest or n % step:
             continue
         memory = peak(model, _layout(c, target, cfg, k), n, fixed)
         row.smallest = (n, memory)
