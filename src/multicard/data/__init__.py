@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from multicard.data.decoding.decode import decoded, default_cache_dir, fit_squar
 from multicard.data.decoding.gpu_decode import GpuDecode
 from multicard.data.decoding.jpeg_crop import JpegTransform, collate_encoded
 from multicard.data.loading.device import DeviceEvalLoader, DeviceTrainLoader, TensorImages
-from multicard.data.loading.loaders import EvalLoader, TrainLoader
+from multicard.data.loading.loaders import Batch, EvalLoader, GeneratedBatches, TrainLoader
 from multicard.data.loading.sampling import BatchSplit, ShardedBatchSampler, repeats_note
 from multicard.data.loading.transfer import to_device
 from multicard.data.loading.workers import Transform, WorkerEvalLoader, WorkerTrainLoader
@@ -63,7 +64,7 @@ __all__ = [
     "shard_format",
     # loaders
     "build_data", "Data", "BatchSplit", "repeats_note", "loader_processes", "loader_for", "capped_to_cores",
-    "to_device", "is_small", "default_cache_dir",
+    "to_device", "is_small", "default_cache_dir", "generated_data",
     # what a recipe does with a loader's batches: mixup and CutMix, per global batch
     "mixing",
 ]  # fmt: skip
@@ -87,6 +88,13 @@ class Data:
         for loader in (self.train, self.val):
             if loader is not None:
                 loader.close()
+
+
+def generated_data(make: Callable[[], Batch], batch: int, steps: int, num_classes: int) -> Data:
+    """A run's data of generated micro-batches (GeneratedBatches), its validation the same batches;
+    classes named by their index."""
+    batches = GeneratedBatches(make, batch, steps)
+    return Data(batches, batches, num_classes, [str(c) for c in range(num_classes)], "device")
 
 
 def read_splits(d: DataConfig, seed: int, need_train: bool = True) -> Splits:

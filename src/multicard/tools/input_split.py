@@ -22,7 +22,7 @@ import dataclasses
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from multicard.base.config import Config, with_overrides
-from multicard.data import Data, EncodedImage, Files, Items, Source, prefetch_items, to_device, to_picture
+from multicard.data import EncodedImage, Files, Items, Source, generated_data, prefetch_items, to_device, to_picture
 from multicard.runtime.clock import sync
 from multicard.runtime.process_group import ProcessContext
 
@@ -144,32 +144,6 @@ def _time_batch(
     return time.perf_counter() - t1
 
 
-class RandomBatches:
-    """Training data of random micro-batches of one shape, on the device, as a loader hands them over."""
-
-    def __init__(self, batch: int, image_size: int, num_classes: int, device: torch.device, steps: int) -> None:
-        self.shape, self.num_classes = (batch, 3, image_size, image_size), num_classes
-        self.device, self.steps = device, steps
-
-    @property
-    def num_samples(self) -> int:
-        return self.shape[0] * self.steps
-
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _ in range(self.steps):
-            yield torch.randn(self.shape, device=self.device), torch.randint(0, self.num_classes, self.shape[:1],
-                                                                             device=self.device)  # fmt: skip
-
-    def close(self) -> None:
-        pass
-
-
 def step_seconds(cfg: Config, batch: int, num_classes: int, ctx: ProcessContext, steps: int = 5) -> float:
     """Seconds of one training step of the configured model on a micro-batch of random images: the
     step of `multicard train` (its recipe on multicard.Run) in this one process, after 2 untimed."""
@@ -177,8 +151,12 @@ def step_seconds(cfg: Config, batch: int, num_classes: int, ctx: ProcessContext,
     from multicard.tools.bench.probes import StepTimer
 
     timer = StepTimer(warmup=2)
-    fake = RandomBatches(batch, cfg.data.image_size, num_classes, ctx.device, steps + 2)
-    data = Data(fake, fake, num_classes, [str(c) for c in range(num_classes)], "device")
+    shape, device = (batch, 3, cfg.data.image_size, cfg.data.image_size), ctx.device
+
+    def random_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(shape, device=device), torch.randint(0, num_classes, (batch,), device=device)
+
+    data = generated_data(random_batch, batch, steps + 2, num_classes)
     with tempfile.TemporaryDirectory(prefix="multicard-input-split-") as tmp:
         one = with_overrides(cfg, [
             "strategy=single", f"devices={'cpu' if ctx.device.type == 'cpu' else cfg.devices}",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -33,6 +33,26 @@ class EvalLoader(Protocol):
     def __iter__(self) -> Iterator[Batch]: ...
 
     def close(self) -> None: ...
+
+
+class GeneratedBatches:
+    """A training loader of `steps` micro-batches of `batch` samples that `make()` returns, with no
+    source or sampler behind them: the data of a tool's run that traces or times the model's step."""
+
+    def __init__(self, make: Callable[[], Batch], batch: int, steps: int) -> None:
+        self.make, self.num_samples, self.steps = make, batch * steps, steps
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        pass  # every batch is made anew
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self.make() for _ in range(self.steps))
+
+    def close(self) -> None:
+        pass
 
 
 class SampledTrainLoader:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch.nn as nn
 
 from multicard.base.config import Config, with_overrides
 from multicard.base.errors import UserError
-from multicard.data import Data
+from multicard.data import generated_data
 from multicard.recipes import ImageClassifier
 from multicard.run import Callback, Loop, StepEnd
 from multicard.strategy import choose_units, fused_on_shards, optimizer_recipe
@@ -70,30 +69,6 @@ def trace_settings(cfg: Config, batch: int, out_dir: str) -> Config:
         "checkpoint.dir=null", "checkpoint.format=auto", "debug.stall_s=0", "log.tensorboard=false",
         "log.mlflow=false", "log.wandb=false", f"out_dir={out_dir}",
     ])  # fmt: skip
-
-
-class FakeBatches:
-    """A training loader of fake micro-batches: float images as the loaders hand them over."""
-
-    def __init__(self, batch: int, image_size: int) -> None:
-        self.shape = (batch, 3, image_size, image_size)
-
-    @property
-    def num_samples(self) -> int:
-        return NEVER
-
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return NEVER
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield torch.empty(self.shape), torch.zeros(self.shape[0], dtype=torch.long)
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -193,8 +168,9 @@ def trace_step(cfg: Config, batch: int, num_classes: int) -> StepTrace:
     with tempfile.TemporaryDirectory(prefix="multicard-trace-") as tmp:
         settings = trace_settings(cfg, batch, tmp)
         with world.building():
-            batches = FakeBatches(batch, cfg.data.image_size)  # validation is not traced
-            fake = Data(batches, batches, num_classes, [str(i) for i in range(num_classes)], "device")
+            shape = (batch, 3, cfg.data.image_size, cfg.data.image_size)  # float images, as loaders hand them over
+            fake = generated_data(lambda: (torch.empty(shape), torch.zeros(batch, dtype=torch.long)), batch, NEVER,
+                                  num_classes)  # fmt: skip
             recipe = ImageClassifier(settings, callbacks=[done], evaluate=False, records=False, checkpoints=False,
                                      data=fake)  # fmt: skip
             units = choose_units(recipe.bare, cfg.fsdp, cfg.model.name)
