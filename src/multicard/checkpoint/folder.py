@@ -20,7 +20,7 @@ from multicard.base.errors import UserError
 from multicard.base.store import COMMIT, LocalStore, Store, commit_name, open_store
 from multicard.checkpoint.compat import check_format
 from multicard.checkpoint.sharded import COMPLETE, Incomplete, Sharded, part_of_sharded
-from multicard.checkpoint.single_file import SingleFile
+from multicard.checkpoint.single_file import PREFIX, SingleFile
 from multicard.runtime.process_group import ProcessContext
 
 
@@ -45,7 +45,6 @@ class Format(Protocol):
 
 
 FORMATS: dict[str, Format] = {"file": SingleFile(), "sharded": Sharded()}
-PREFIX = "step-"
 LAST_NAMES, BEST_NAMES = ("last", "last.pt"), ("best", "best.pt")
 POINTERS = LAST_NAMES + BEST_NAMES
 

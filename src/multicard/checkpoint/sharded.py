@@ -12,7 +12,6 @@ process with no process group).
 
 from __future__ import annotations
 
-import io
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,9 +24,9 @@ import torch
 from multicard.base.errors import UserError
 from multicard.base.storage import first_line
 from multicard.base.store import Store
+from multicard.checkpoint.single_file import PREFIX, serialised
 from multicard.runtime.process_group import ProcessContext
 
-PREFIX = "step-"
 COMPLETE = "COMPLETE"  # written last, by rank 0, after every shard and train_state.pt
 TRAIN_STATE = "train_state.pt"
 # What DCP shards (ema: where the run keeps one; models, optimizers: a run's others); the rest: train_state.pt
@@ -148,13 +147,6 @@ class Sharded:
             for name, m in metadata.items()
             if name.startswith(prefix) and isinstance(m, dcp.metadata.TensorStorageMetadata)
         }
-
-
-def serialised(state: dict[str, Any]) -> bytes:
-    """torch.save's bytes of `state` (as a file holds them), made in memory."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
 
 
 def by_model(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
