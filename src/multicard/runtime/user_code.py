@@ -15,6 +15,7 @@ before the call and says so in one line.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import signal
 import sys
@@ -89,3 +90,20 @@ def user_code(what: str) -> Iterator[None]:
             )
         if changes:
             print(f"multicard: warning: {what} {' and '.join(changes)}", file=sys.stderr, flush=True)
+
+
+def import_function(spec: str, key: str, reason: Callable[[ImportError], str] = str) -> Callable[..., Any]:
+    """`package.module:function`, given for `key` (model.name, data.name) → the function, or a one-line
+    error (`reason`: how it words the failed import)."""
+    module_name, _, func_name = spec.partition(":")
+    try:
+        with user_code(f"{key}={spec}"):
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if not missing_module(exc, module_name):
+            raise  # the module's own code failed: its traceback says where
+        raise UserError(f"{key}={spec}: cannot import module {module_name} ({reason(exc)})") from None
+    function = getattr(module, func_name, None)
+    if not callable(function):
+        raise UserError(f"{key}={spec}: module {module_name} has no function {func_name}")
+    return function

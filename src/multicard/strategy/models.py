@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import importlib
 import math
 import warnings
 from collections.abc import Callable
@@ -14,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from multicard.base.errors import UserError
-from multicard.runtime.user_code import check_arguments, missing_module, user_code
+from multicard.runtime.user_code import check_arguments, import_function, user_code
 
 
 def resnet18_cifar(num_classes: int, **kwargs: Any) -> nn.Module:
@@ -258,21 +257,6 @@ def _timm_factory(name: str) -> Callable[..., nn.Module]:
     return factory
 
 
-def _import_factory(spec: str) -> Callable[..., nn.Module]:
-    module_name, _, func_name = spec.partition(":")
-    try:
-        with user_code(f"model.name={spec}"):
-            module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if not missing_module(exc, module_name):
-            raise  # the module's own code failed: its traceback says where
-        raise UserError(f"model.name={spec}: cannot import module {module_name} ({exc})") from None
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise UserError(f"model.name={spec}: module {module_name} has no function {func_name}")
-    return factory
-
-
 def torchvision_models() -> Any:
     """torchvision.models, imported on first use: the import takes about a second (it pulls in
     torch's compiler), which processes that build our own models or none should not pay."""
@@ -292,7 +276,7 @@ def build_model(name: str, num_classes: int, kwargs: dict[str, Any] | None = Non
     if name.startswith(TIMM_PREFIX):
         factory = _timm_factory(name)
     elif ":" in name:
-        factory = _import_factory(name)
+        factory = import_function(name, "model.name")
     elif name in BUILTIN:
         factory = BUILTIN[name]
     elif name in (tv := torchvision_models()).list_models(module=tv):

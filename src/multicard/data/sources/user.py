@@ -17,7 +17,6 @@ image folders holds: randomness keyed by (seed, epoch, index), any world size, e
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,7 @@ from multicard.data.augmentation.transforms import Picture
 from multicard.data.decoding.decode import fit_square
 from multicard.data.sources.encoded import PIL_ERRORS, EncodedImage, to_rgb
 from multicard.data.sources.folders import InMemory, Items, Splits, seeded_split
-from multicard.runtime.user_code import check_arguments, missing_module, noted, user_code
+from multicard.runtime.user_code import check_arguments, import_function, noted, user_code
 
 SPLITS = ("train", "val")
 ITEM_FORMS = "an (image, label) pair, the image as encoded bytes, a PIL image or a uint8 array/tensor (HWC or CHW)"
@@ -39,22 +38,6 @@ ITEM_FORMS = "an (image, label) pair, the image as encoded bytes, a PIL image or
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def import_function(spec: str) -> Callable[..., Any]:
-    """`package.module:function` → the function, or a one-line error (models.py's conventions)."""
-    module_name, _, func_name = spec.partition(":")
-    try:
-        with user_code(f"data.name={spec}"):
-            module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if not missing_module(exc, module_name):
-            raise  # the module's own code failed: its traceback says where
-        raise UserError(f"data.name={spec}: cannot import module {module_name} ({_first_line(exc)})") from None
-    function = getattr(module, func_name, None)
-    if not callable(function):
-        raise UserError(f"data.name={spec}: module {module_name} has no function {func_name}")
-    return function
 
 
 def _call(spec: str, function: Callable[..., Any], split: str, kwargs: dict[str, Any]) -> tuple[Any, list[str]] | None:
@@ -92,7 +75,7 @@ def items_of(dataset: Any, num_classes: int, name: str) -> Items:
 
 def function_splits(spec: str, kwargs: dict[str, Any], val_fraction: float, split_seed: int) -> Splits:
     """The training and validation sources of a dataset function (nothing read but their lengths)."""
-    function = import_function(spec)
+    function = import_function(spec, "data.name", _first_line)
     train = _call(spec, function, "train", kwargs)
     if train is None:
         raise UserError(f"data.name={spec} returned None for split train; return the training dataset and classes")
