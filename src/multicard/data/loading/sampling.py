@@ -140,13 +140,9 @@ def copies_in_a_micro_batch(split: BatchSplit, repeats: int) -> int:
     if repeats == 1:
         return 1
     step = split.global_batch
-
-    def in_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-        return torch.arange(num_samples)
-
     most = 1
     for rank in range(split.world_size):
-        for batch in ShardedBatchSampler(step, split, rank, 0, repeats, order=in_order):
+        for batch in ShardedBatchSampler(step, split, rank, 0, repeats, order=sequential_order):
             most = max(most, int(torch.bincount(batch % step).max()))
     return most
 
