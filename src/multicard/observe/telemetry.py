@@ -79,14 +79,12 @@ class Reporter:
             self._due = None
             self.open_metrics(metrics, resumed_at)
             for path, text in texts.items():
-                self.write_text(path, text)
+                write_text_atomic(path, text)
 
     def open_metrics(self, path: Path, resumed_at: int | None) -> None:
         """Start metrics.jsonl, or continue it from step `resumed_at` of a resumed run: records of
         later steps (written after that checkpoint by a run that then crashed) are dropped, so no
         step is recorded twice."""
-        if not self.is_main:
-            return
         self._metrics_path = path
         try:
             if resumed_at is not None and path.is_file():
@@ -99,10 +97,6 @@ class Reporter:
     def print(self, message: str) -> None:
         if self.is_main:
             self.console.print(message)
-
-    def write_text(self, path: Path, text: str) -> None:
-        if self.is_main:
-            write_text_atomic(path, text)
 
     def record(self, kind: str, **fields: Any) -> None:
         """Append one JSON object to metrics.jsonl."""
