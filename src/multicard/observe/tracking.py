@@ -101,8 +101,7 @@ class MlflowRun:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
-    def summary(self, step: int, values: dict[str, float]) -> None:
-        self.metrics(step, values)
+    summary = metrics  # MLflow keeps the final metrics as metrics
 
     def file(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
@@ -180,11 +179,7 @@ class TrackerWriter:
             self.trackers.each("log metrics", lambda run: run.metrics(step, values), only=lambda run: run in self.due)
         self.values = {}
 
-    def flush(self) -> None:
-        self.send()
-
-    def close(self) -> None:
-        self.send()
+    flush = close = send  # what TensorBoardLog calls on its writer
 
 
 class Trackers:
