@@ -148,7 +148,6 @@ def check_not_past_the_end(meta: dict[str, Any], path: Path | str, config: dict[
 def check_resumable(meta: dict[str, Any], path: Path, run: RunFacts, model: nn.Module) -> None:
     """The checkpoint's run continues exactly in this one: same model, recipe, global batch and data.
     The settings first: another model.name is named as such, not as tensors that do not fit."""
-    check_format(meta, path)
     check_settings(meta, path, run.config)
     check_model_fits(meta["model"], model, path)
     check_classes(meta, run.classes, path, "resume on the same data or set train.resume=never")
