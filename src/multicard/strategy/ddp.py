@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, cast
 
@@ -88,7 +88,8 @@ class DDPStrategy(DistributedStrategy):
             assert self._recipe is not None
             return get_state_dict(bare, self._recipe.build())
         optimizer.consolidate_state_dict(to=0)
-        optim_state = named_optimizer_state(optimizer.state_dict(), self._optimizer_order) if self.ctx.is_main else {}
+        names = dict(enumerate(self._optimizer_order))
+        optim_state = rekeyed(optimizer.state_dict(), names) if self.ctx.is_main else {}
         return get_model_state_dict(bare), optim_state
 
     def load_state_dicts(
@@ -98,7 +99,8 @@ class DDPStrategy(DistributedStrategy):
             return super().load_state_dicts(bare, optimizer, model_state, optim_state)
         set_model_state_dict(bare, model_state)
         # Every rank reads the whole state and keeps its share (load_state_dict edits what it is given).
-        optimizer.load_state_dict(indexed_optimizer_state(copy.deepcopy(optim_state), self._optimizer_order))
+        index = {name: i for i, name in enumerate(self._optimizer_order)}
+        optimizer.load_state_dict(rekeyed(copy.deepcopy(optim_state), index))
         return None
 
 
@@ -106,20 +108,12 @@ class DistributedDataParallel(PassThrough, nn.parallel.DistributedDataParallel):
     """torch's DDP, through which the wrapped module's own methods and attributes stay reachable."""
 
 
-def named_optimizer_state(state: StateDict, order: list[str]) -> StateDict:
-    """A torch.optim state dict keyed by index → keyed by parameter name (as get_state_dict keys it)."""
+def rekeyed(state: StateDict, key: Mapping[Any, Any]) -> StateDict:
+    """A torch.optim state dict with its parameters' keys mapped by `key`: index → parameter name (as
+    get_state_dict keys it), or name → index for optimizers that load index-keyed state."""
     return {
-        "state": {order[i]: v for i, v in state["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def indexed_optimizer_state(state: StateDict, order: list[str]) -> StateDict:
-    """The inverse of named_optimizer_state, for optimizers that load index-keyed state."""
-    index = {name: i for i, name in enumerate(order)}
-    return {
-        "state": {index[k]: v for k, v in state["state"].items()},
-        "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in state["param_groups"]],
+        "state": {key[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]],
     }
 
 
