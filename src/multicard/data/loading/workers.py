@@ -119,12 +119,6 @@ def _init_worker(seed: int, rank: int, worker_id: int) -> None:
     np.random.seed(key % 2**32)
 
 
-def _one_line_worker_error(exc: UserError) -> UserError:
-    # DataLoader re-raises a worker's exception with the worker's traceback in its message.
-    last = str(exc).strip().splitlines()[-1]
-    return UserError(last.split("UserError: ", 1)[-1])
-
-
 def data_loader(
     dataset: Dataset, keys: Keys, num_workers: int, device: torch.device, seed: int, rank: int,
     collate: Callable[[list[Any]], Any] | None = None,
@@ -172,7 +166,8 @@ def _batches(loader: DataLoader, finish: Finish, epoch: int) -> Iterator[tuple[t
         for x, y, indices in loader:
             yield finish(x, y, indices, epoch)
     except UserError as exc:
-        raise _one_line_worker_error(exc) from None
+        # DataLoader re-raises a worker's exception with the worker's traceback in its message.
+        raise UserError(str(exc).strip().splitlines()[-1].split("UserError: ", 1)[-1]) from None
 
 
 class WorkerTrainLoader(SampledTrainLoader):
