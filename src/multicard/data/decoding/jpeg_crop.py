@@ -45,10 +45,6 @@ def plan_crop(transform: RandomResizedCropFlip | FitSquare, width: int, height: 
     return Crop(Box(0, 0, width, height), new_height, new_width, flip=False)
 
 
-def nvjpeg_decodable(image: Picture) -> bool:
-    return isinstance(image, EncodedImage) and image.format == "JPEG" and image.mode in NVJPEG_MODES
-
-
 @dataclass(frozen=True)
 class JpegFile:
     """One sample on its way to the device: the file's bytes and what to make of them."""
@@ -67,9 +63,8 @@ class JpegTransform:
         self.cpu = cpu
 
     def __call__(self, image: Picture, epoch: int, index: int) -> JpegFile | torch.Tensor:
-        if not nvjpeg_decodable(image):
+        if not (isinstance(image, EncodedImage) and image.format == "JPEG" and image.mode in NVJPEG_MODES):
             return self.cpu(image, epoch, index)
-        assert isinstance(image, EncodedImage)
         return JpegFile(str(image.path), image.data, image.size, plan_crop(self.cpu, *image.size, epoch, index))
 
 
