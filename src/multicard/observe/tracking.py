@@ -298,8 +298,9 @@ class TrackerLog(TensorBoardLog):
                 self._summary(loop)
         else:
             outcome = "stopped" if isinstance(ending, Stopped) else "failed"
-        if outcome != "failed":
-            self._report_figure()
+        figure = run_figure(self.out_dir) if outcome != "failed" else None  # `multicard report`'s, as report.png
+        if figure is not None:
+            self._file(figure, "upload report.png")
         self.trackers.each("end its run", lambda run: run.finish(outcome))
 
     def _summary(self, loop: Loop) -> None:
@@ -314,12 +315,6 @@ class TrackerLog(TensorBoardLog):
         if values:
             step = loop.position.global_step
             self.trackers.each("log the final metrics", lambda run: run.summary(step, values))
-
-    def _report_figure(self) -> None:
-        """The figure `multicard report` draws of this run, as out_dir/report.png."""
-        target = run_figure(self.out_dir)
-        if target is not None:
-            self._file(target, "upload report.png")
 
     def _file(self, path: Path, what: str) -> None:
         assert self.trackers is not None
