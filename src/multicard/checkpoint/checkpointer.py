@@ -172,7 +172,9 @@ class Checkpointer(Callback):
                 if self.copies is not None:
                     self.copies.clear()
             elif mode == "auto":
-                chosen = self._newest_valid()
+                chosen, _, skipped = self.folder.newest_readable()
+                for line in skipped:
+                    self.say(f"warning: {line}")
         if mode not in ("auto", "never"):
             chosen = resume_path(mode)  # every rank reads it, and a bad one fails on every rank
         chosen = self.strategy.broadcast_object(chosen)
@@ -193,12 +195,6 @@ class Checkpointer(Callback):
         for _, name in self.folder.leftovers(self.store.listing()):
             self.store.discard(name)
             self.say(f"removed {name}: a run ended while writing that checkpoint ({self.store.uncommitted_note})")
-
-    def _newest_valid(self) -> str | None:
-        path, meta, skipped = self.folder.newest_readable()
-        for line in skipped:
-            self.say(f"warning: {line}")
-        return path
 
     def _remove_all(self) -> None:
         listing = self.store.listing()
