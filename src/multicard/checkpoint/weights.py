@@ -43,17 +43,13 @@ def _state_dict_in(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def _weights_at(path: str) -> dict[str, Any]:
-    """The state dict at a path or URL: a checkpoint there (step-N, last, best: committed), or a plain
-    state dict file or object (what export wrote, uploaded)."""
-    store, name = locate(path, "model.weights", f"model.weights={path} does not exist")
-    with store.local_copy(name) as local:
-        return _state_dict_in(local)
-
-
 def load_weights(model: nn.Module, path: str) -> str:
     """Load what fits of `path` into `model`; a one-line note of what was loaded and what not."""
-    state = {k.removeprefix("module."): v for k, v in _weights_at(path).items()}
+    # A checkpoint at the path or URL (step-N, last, best: committed), or a plain state dict file or object
+    # (what export wrote, uploaded).
+    store, name = locate(path, "model.weights", f"model.weights={path} does not exist")
+    with store.local_copy(name) as local:
+        state = {k.removeprefix("module."): v for k, v in _state_dict_in(local).items()}
     own = model.state_dict()
     fits = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
     if not fits:
