@@ -192,7 +192,10 @@ def setup(
     if distributed and not dist.is_initialized():
         select_interface(socket_ifname)
         if device.type == "cuda" and trace_dir is not None:
-            record_nccl_flights(trace_dir)
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl-trace-rank-"))
         store = join_group(env, device, timeout_s)
     return ProcessContext(
         rank=env.rank if distributed else 0,
@@ -231,15 +234,6 @@ def join_group(env: ProcessEnv, device: torch.device, timeout_s: int) -> Any:
     dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if cuda else None)  # fmt: skip
     return store
-
-
-def record_nccl_flights(trace_dir: Path) -> None:
-    """NCCL's flight recorder keeps each rank's last collectives and dumps them into `trace_dir`
-    when one times out (torch's TORCH_NCCL_* variables; ones already set win)."""
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl-trace-rank-"))
 
 
 def teardown() -> None:
