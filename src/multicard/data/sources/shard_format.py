@@ -205,7 +205,9 @@ def read_index(store: Store, what: str | None = None) -> tuple[Index, dict[str, 
     except ValueError as exc:
         raise _bad_index(path, f"cannot be read ({type(exc).__name__})") from None
     index = parse_index(raw, path, store)
-    check_splits(index)
+    for name in ("train", "val"):  # a pack holds a training and a validation split
+        if name not in index.splits:
+            raise _bad_index(index.path, f"has no {name} split")
     sizes = {store.join(name): int(entry["size"]) for name, entry in listing.items()}
     for split in index.splits.values():
         check_shards(split, sizes.get)
@@ -289,13 +291,6 @@ def _check_entries(index: Index, name: str, split: PackedSplit) -> None:
         i = int(np.flatnonzero(~sized)[0])
         why = f"sample {i} of split {name} has size {cols['width'][i]}x{cols['height'][i]}"
         raise _bad_index(index.path, f"is damaged: {why}")
-
-
-def check_splits(index: Index) -> None:
-    """A pack holds a training and a validation split."""
-    for name in ("train", "val"):
-        if name not in index.splits:
-            raise _bad_index(index.path, f"has no {name} split")
 
 
 def check_shards(split: PackedSplit, size_of: Callable[[str], int | None]) -> None:
