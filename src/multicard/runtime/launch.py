@@ -481,7 +481,9 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
         return code
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-        _remove_agent_folder()
+        folder = agent_folder(os.getpid())  # what its workers kept on the node's disk for their restarts
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     return ExitCode.OK
 
 
@@ -512,10 +514,3 @@ def _rendezvous_failed(exc: RendezvousError, options: LaunchOptions, endpoint: s
             f"address is not this machine's); choose another --master-port or --master-addr"
         )
     return UserError(f"rendezvous at {endpoint} failed ({exc}); see docs/multinode.md")
-
-
-def _remove_agent_folder() -> None:
-    """What this launcher's workers kept on the node's disk for their restarts (environment.agent_folder)."""
-    folder = agent_folder(os.getpid())
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
