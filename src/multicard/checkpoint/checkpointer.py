@@ -170,7 +170,7 @@ class Checkpointer(Callback):
             if mode == "never":
                 self._remove_all()
                 if self.copies is not None:
-                    self.copies.clear()
+                    self.copies.rotate(keep=0)
             elif mode == "auto":
                 chosen, _, skipped = self.folder.newest_readable()
                 for line in skipped:

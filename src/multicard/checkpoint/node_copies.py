@@ -28,15 +28,10 @@ class NodeCopies:
         self.copies = CheckpointFolder(self.store)
         self.ctx = ctx
 
-    def rotate(self) -> None:
-        """Keep the newest KEEP copies (the node's first process writes and removes them)."""
+    def rotate(self, keep: int = KEEP) -> None:
+        """Keep the newest `keep` copies, none to clear them (the node's first process writes and removes them)."""
         if self.ctx.is_local_main:
-            for _, name in self.copies.steps()[KEEP:]:
-                self.store.remove(name)
-
-    def clear(self) -> None:
-        if self.ctx.is_local_main:
-            for _, name in self.copies.steps():
+            for _, name in self.copies.steps()[keep:]:
                 self.store.remove(name)
 
     def newer(self, chosen: str | None, name_for: Callable[[int], str]) -> tuple[int, str] | None:
