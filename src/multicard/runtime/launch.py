@@ -202,12 +202,6 @@ def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, d
     return code, json.loads(result.read_text()) if result.exists() else None
 
 
-def _failures(exc: ChildFailedError) -> list[tuple[int, int]]:
-    """(rank, exit code) of each failed worker, in the order they failed."""
-    by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
-    return [(rank, f.exitcode if f.exitcode >= 0 else 128 - f.exitcode) for rank, f in by_time]
-
-
 def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
     """(rank, exit code) of the failure that ended the job, from (rank, code) in the order the
     workers failed: a rank that said why (its own error) rather than peers that then lost their
@@ -474,7 +468,8 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
     except RendezvousError as exc:
         raise _rendezvous_failed(exc, options, f"{addr}:{port}") from None
     except ChildFailedError as exc:
-        rank, code = _cause(_failures(exc))
+        by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)  # killed: -signal, as 128 + it
+        rank, code = _cause([(r, f.exitcode if f.exitcode >= 0 else 128 - f.exitcode) for r, f in by_time])
         line = _describe(rank, code)
         if line is not None:
             print(f"multicard: error: {line}", file=sys.stderr)
