@@ -114,9 +114,8 @@ class EncodedImage:
         ceil(width / r) × ceil(height / r), and full-size coordinate x lies at x / r.
         """
         pixels = self._fast_jpeg(reduce)
-        if pixels is not None:
-            return torch.from_numpy(pixels), reduce
-        pixels, reduce = self._pillow(reduce)
+        if pixels is None:
+            pixels, reduce = self._pillow(reduce)
         return torch.from_numpy(pixels), reduce
 
     def crop(self, box: Box) -> torch.Tensor:
