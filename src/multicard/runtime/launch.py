@@ -202,10 +202,11 @@ def run_spec(module: str, spec: dict, nproc: int, workdir: Path) -> tuple[int, d
     return code, json.loads(result.read_text()) if result.exists() else None
 
 
-def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
-    """(rank, exit code) of the failure that ended the job, from (rank, code) in the order the
-    workers failed: a rank that said why (its own error) rather than peers that then lost their
-    connection or were stopped by the agent; else a rank killed by a signal; else the first to fail."""
+def _report_cause(failures: list[tuple[int, int]]) -> int:
+    """The exit code of the failure that ended the job, said in one line where its worker could not
+    (_describe), from (rank, code) in the order the workers failed: a rank that said why (its own error)
+    rather than peers that then lost their connection or were stopped by the agent; else a rank killed by
+    a signal; else the first to fail."""
     for pick in (
         lambda c: c in SELF_REPORTED and c not in STOPPED_BY_SIGNAL,
         lambda c: c > 128 and c not in STOPPED_BY_SIGNAL,  # killed by a signal nobody sent on purpose
@@ -214,7 +215,10 @@ def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
     ):
         for rank, code in failures:
             if pick(code):
-                return rank, code
+                line = _describe(rank, code)
+                if line is not None:
+                    print(f"multicard: error: {line}", file=sys.stderr)
+                return code
     raise AssertionError("a failed job has failures")
 
 
@@ -359,11 +363,7 @@ class StopRelay:
         failures = [(rank, code) for rank, code, _ in self.ended.values() if code != ExitCode.OK]
         if not failures:
             return ExitCode.OK  # the job ended before the stop took effect
-        rank, code = _cause(failures)
-        line = _describe(rank, code)
-        if line is not None:
-            print(f"multicard: error: {line}", file=sys.stderr)
-        return code
+        return _report_cause(failures)
 
 
 def _mark_stop(signum: int) -> None:
@@ -469,11 +469,7 @@ def _launch(options: LaunchOptions, program: list[str], port_tries: int = 3) -> 
         raise _rendezvous_failed(exc, options, f"{addr}:{port}") from None
     except ChildFailedError as exc:
         by_time = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)  # killed: -signal, as 128 + it
-        rank, code = _cause([(r, f.exitcode if f.exitcode >= 0 else 128 - f.exitcode) for r, f in by_time])
-        line = _describe(rank, code)
-        if line is not None:
-            print(f"multicard: error: {line}", file=sys.stderr)
-        return code
+        return _report_cause([(r, f.exitcode if f.exitcode >= 0 else 128 - f.exitcode) for r, f in by_time])
     finally:
         shutil.rmtree(logs, ignore_errors=True)
         folder = agent_folder(os.getpid())  # what its workers kept on the node's disk for their restarts
