@@ -41,7 +41,7 @@ from multicard.data.sources.folders import Items, Splits
 from multicard.data.sources.shard_cache import ShardCache, shard_key
 from multicard.data.sources.shard_format import INDEX as INDEX  # re-exported: where the readers' users look
 from multicard.data.sources.shard_format import PARTIAL as PARTIAL
-from multicard.data.sources.shard_format import Index, PackedSplit, read_index
+from multicard.data.sources.shard_format import PackedSplit, read_index
 
 # data.order=local: runs of RUN samples stored next to each other, in a shuffled order, shuffled
 # within windows of WINDOW runs (a batch of 256 then reads about 16 runs, each in one read).
@@ -248,22 +248,14 @@ def shard_splits(store: Store, reads_in_flight: int = 1, cache: ShardCache | Non
     index, _, listing = read_index(store, what)
     versions = {store.join(name): etag(entry) for name, entry in listing.items()}
 
-    def samples(split: PackedSplit) -> ShardSamples:
+    def items(name: str) -> Items:
+        split = index.splits[name]
         keys = [shard_key(location, size, versions.get(location, ""))
                 for location, size in zip(split.shards, split.shard_bytes, strict=True)]  # fmt: skip
-        return ShardSamples(split, reads_in_flight, cache, keys)
+        samples = ShardSamples(split, reads_in_flight, cache, keys)
+        return Items(samples, torch.arange(len(split)), len(index.classes), f"data.name=shards {what} ({name})")
 
-    return packed_splits(index, samples, what)
-
-
-def packed_splits(index: Index, samples: Callable[[PackedSplit], ShardSamples], what: str) -> Splits:
-    """An index's training and validation splits as sources, each read by `samples(split)`."""
-    parts = {
-        name: Items(samples(index.splits[name]), torch.arange(len(index.splits[name])), len(index.classes),
-                    f"data.name=shards {what} ({name})")
-        for name in ("train", "val")
-    }  # fmt: skip
-    return Splits(parts["train"], parts["val"], index.classes)
+    return Splits(items("train"), items("val"), index.classes)
 
 
 def local_order(stored: torch.Tensor, num_samples: int, seed: int, epoch: int) -> torch.Tensor:
