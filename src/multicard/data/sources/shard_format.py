@@ -106,12 +106,6 @@ def _copy(part: Path, start: int, length: int, f: Any, h: Any) -> None:
             length -= len(buffer)
 
 
-def file_digest(path: Path, algorithm: str = "sha256") -> str:
-    """The file's hexdigest (sha256: the index's; md5: what an S3 ETag of a single-part upload is)."""
-    with path.open("rb") as f:
-        return stream_digest(f, algorithm)
-
-
 def stream_digest(f: Any, algorithm: str = "sha256") -> str:
     """The hexdigest of what is left to read of a binary file."""
     h = hashlib.new(algorithm, usedforsecurity=False)
@@ -365,7 +359,10 @@ def _uploaded(listed: dict[str, Any] | None, local: Path, shard: dict[str, Any])
     if listed is None or int(listed.get("size", -1)) != int(shard["bytes"]):
         return False
     version = etag(listed)
-    return not MD5.match(version) or version == file_digest(local, "md5")
+    if not MD5.match(version):
+        return True
+    with local.open("rb") as f:
+        return version == stream_digest(f, "md5")
 
 
 def upload_object(store: Store, local: Path, name: str) -> None:
