@@ -55,7 +55,6 @@ class FSDPStrategy(DistributedStrategy):
         super().__init__(ctx, precision, setup, sync_bn)
         self.options = options
         self.model_name = model_name
-        self.units: list[nn.Module] = []
         if ctx.device.type == "cpu" and wants_release(options.cpu_release_memory):
             release_large_buffers()  # before the model is built: see malloc.py
 
@@ -74,17 +73,14 @@ class FSDPStrategy(DistributedStrategy):
         if self.setup.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model = self.convert(model)
-        mesh = self.mesh()
-        policy = self.policy()
         shard: dict[str, Any] = {  # fully_shard's keyword arguments
-            "mesh": mesh, "reshard_after_forward": self.options.reshard_after_forward, "mp_policy": policy
+            "mesh": self.mesh(), "reshard_after_forward": self.options.reshard_after_forward, "mp_policy": self.policy()
         }
         if self.precision.name in REDUCED:
+            fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=REDUCED[self.precision.name])
             for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
-                fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=REDUCED[self.precision.name])
-                fully_shard(norm, mesh=mesh, reshard_after_forward=self.options.reshard_after_forward, mp_policy=fp32)
-        self.units = choose_units(model, self.options, self.model_name)
-        for unit in self.units:
+                fully_shard(norm, **{**shard, "mp_policy": fp32})
+        for unit in choose_units(model, self.options, self.model_name):
             fully_shard(unit, **shard)
         fully_shard(model, **shard)
         if not self.sync_bn and self.ctx.world_size > 1 and any(True for _ in model.buffers()):
