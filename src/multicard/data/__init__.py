@@ -279,7 +279,6 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
     cpu_train, cpu_eval = worker_transforms(d, seed, sizes)
     train_tf: Transform = cpu_train
     eval_tf: Transform = cpu_eval
-    eval_size = d.eval_size or d.image_size
     collate = None
     if choose_decode(d.decode, kind, splits, d.image_size, ctx.device) == "gpu":
         # Workers read the files and plan the crops; nvjpeg decodes and the GPU crops (data/decoding/gpu_decode.py).
@@ -287,7 +286,7 @@ def build_data(d: DataConfig, seed: int, batch_split: BatchSplit | None, ctx: Pr
         train_finish = GpuDecode(
             d.mean, d.std, ctx.device, seed, d.image_size, policy=sample_policy(d, seed), sizes=sizes
         )
-        eval_finish = GpuDecode(d.mean, d.std, ctx.device, seed, eval_size)
+        eval_finish = GpuDecode(d.mean, d.std, ctx.device, seed, d.eval_size or d.image_size)
         collate = collate_encoded
     val = WorkerEvalLoader(
         splits.val, eval_tf, d.eval_batch_size, ctx.rank, ctx.world_size, eval_finish, workers, seed, collate
