@@ -554,7 +554,6 @@ class ObjectStore(Store):
 def _unopened(url: str, scheme: str, exc: BaseException) -> UserError:
     """A filesystem that could not be made (a library it loads is missing: pyarrow's HDFS without a JVM),
     in one line naming what to install."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if scheme in NEEDS:
-        return UserError(f"cannot open {url} ({type(exc).__name__}: {first[:120]}); {NEEDS[scheme]}")
+        return UserError(f"cannot open {url} ({type(exc).__name__}: {first_line(exc)[:120]}); {NEEDS[scheme]}")
     return storage_error(url, exc, 1, 0.0, "open")
