@@ -16,6 +16,7 @@ taking over says so. A run that ends releases its lock (removes its object).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -107,10 +108,8 @@ class StoreLock:
 
     def _renew(self) -> None:
         while not self._stop.wait(RENEW_S):
-            try:
+            with contextlib.suppress(UserError):  # the store is unreachable now: the next renewal tries again
                 self.store.write(self.name, self._record())
-            except UserError:
-                pass  # the store is unreachable now: the next renewal tries again
 
     def release(self) -> None:
         """Stop renewing and remove the lock object (once; a store gone by now leaves it to go stale)."""
@@ -121,8 +120,7 @@ class StoreLock:
         self._renewer = None
         retries, self.store.retries = self.store.retries, 0
         try:
-            self.store.remove(self.name)
-        except UserError:
-            pass
+            with contextlib.suppress(UserError):
+                self.store.remove(self.name)
         finally:
             self.store.retries = retries
