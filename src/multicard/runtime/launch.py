@@ -318,10 +318,8 @@ class StopRelay:
     def _send(self, signum: int) -> None:
         for pid in self._ranks:
             if pid not in self.ended:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                     os.killpg(pid, signum)
-                except ProcessLookupError:
-                    pass  # ended meanwhile
 
     def _wait(self) -> None:
         """Until every worker has ended. Killed: on a second SIGINT, past the timeout, or once one
