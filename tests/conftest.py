@@ -93,6 +93,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 requires_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def sigint_as_in_a_terminal() -> None:
+    """A suite started as a background job (`make test &` in a script, nohup) inherits SIGINT ignored,
+    and so would every process a test starts: a Ctrl-C test would then signal a command that cannot
+    hear it. Python's own handler is put back, as a terminal gives it to a user's command."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without launcher or Slurm variables, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
