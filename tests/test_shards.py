@@ -506,7 +506,6 @@ def photos(split, root, block_at=100):
 """
 
 
-@pytest.mark.slow
 def packed_chunks(out: Path) -> int:
     return len(list((out / PARTIAL).glob("*-*.json")))
 
@@ -516,6 +515,7 @@ def chunks_planned(out: Path) -> int:
     return len(plan_chunks(json.loads(plan.read_text())["sizes"])) if plan.is_file() else -1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["a first chunk is packed", "every other chunk is packed"])
 def test_sigint_mid_pack_then_rerun_continues_to_a_complete_verified_pack(folder, tmp_path, when):
     """One packing process blocks in the dataset; SIGINT comes while the other packs, or waits idle for
